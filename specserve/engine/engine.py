@@ -1,0 +1,278 @@
+"""The engine: one step loop of schedule -> run the model -> sample -> commit.
+
+``LLMEngine.step()`` asks the scheduler for a batch, runs the target over every scheduled token,
+samples a token for each request whose prompt is fully computed, detokenizes, applies the stop
+rules and frees the pages of finished requests.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import CacheConfig, SchedulerConfig
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.runner import ModelInput, ModelRunner
+from specserve.engine.scheduler import Scheduler
+from specserve.kv_cache.block_manager import BlockManager
+from specserve.kv_cache.kv_cache import KVCache
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import LoadedModel, load_model
+from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from specserve.sample.sampler import Sampler, SamplingMetadata, make_generator
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine (vLLM's argument names).
+
+    ``kv_cache_memory_gb`` sizes the page pool when ``num_blocks`` is not given.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+class LLMEngine:
+    """Continuous-batching generation engine over one target model.
+
+    Args:
+        args: engine arguments.
+        loaded: an already loaded model (skips :func:`load_model`; tests build tiny ones).
+    Raises:
+        ValueError / ModelNotFoundError: for a bad model name or argument, naming the value.
+    """
+
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+        self.args = args
+        dtype = _DTYPES[args.dtype]
+        torch.manual_seed(args.seed)
+        loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        weights = {k: v.to(device=args.device, dtype=dtype) for k, v in loaded.weights.items()}
+        self.model = LlamaForCausalLM(self.model_config, weights).eval()
+        cfg = self.model_config
+        self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype)
+        max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        num_blocks = args.num_blocks or max(1, KVCache.num_blocks_for_memory(
+            int(args.kv_cache_memory_gb * 2**30), cfg.num_hidden_layers, args.block_size,
+            cfg.num_key_value_heads, cfg.head_dim, dtype))
+        # A lone request must always fit in the pool, or preemption could never make room for it.
+        self.max_model_len = min(max_len, num_blocks * args.block_size)
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, max(args.max_num_batched_tokens, 1),
+                                                self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, args.block_size)
+        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,
+                                cfg.num_key_value_heads, cfg.head_dim, dtype, args.device)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.sampler = Sampler()
+        self.requests: dict[str, list[Request]] = {}
+        self._seq_ids = itertools.count()
+        self._request_counter = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Check one request before it enters the engine; returns its prompt token ids.
+
+        Raises:
+            ValueError: empty prompt, token id outside the vocabulary, prompt too long for
+                max_model_len, or params that are not ``SamplingParams``; the message names the value.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str) and not prompt:
+            raise ValueError("prompt is empty: give at least one character or token id")
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} has no tokens")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"it must be shorter to leave room for output")
+        return ids
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a request (``params.n`` sequences). Returns its id.
+
+        Raises:
+            ValueError: see :meth:`validate`; also a duplicate ``request_id``. Nothing is queued then.
+        """
+        ids = prompt_token_ids if prompt_token_ids is not None else self.validate(prompt, params)
+        request_id = str(next(self._request_counter)) if request_id is None else request_id
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        now = time.perf_counter()
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seqs.append(Request(request_id, next(self._seq_ids), ids, params, make_generator(seed),
+                                self.model_config.eos_token_ids, index=i, prompt=text, arrival_time=now))
+        self.requests[request_id] = seqs
+        for s in seqs:
+            self.scheduler.add(s)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request at any moment and give back all its pages. Unknown ids are ignored."""
+        for seq in self.requests.pop(request_id, []):
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish("abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of every request that advanced."""
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        inputs = [ModelInput(s.token_ids, s.context_len, self.block_manager.block_table(s.request.seq_id))
+                  for s in sched.scheduled]
+        fwd = self.runner.forward(inputs)
+        sampling = [(s.request, row) for s, row in zip(sched.scheduled, fwd.last_rows) if s.samples]
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        if not sampling:
+            return []
+        reqs = [r for r, _ in sampling]
+        logits = self.runner.compute_logits(fwd.hidden_states, [row for _, row in sampling])
+        out = self.sampler(logits, self.sampling_metadata(reqs))
+        tokens = out.sampled_token_ids.tolist()
+        for i, req in enumerate(reqs):
+            self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
+        return self._outputs({r.request_id for r in reqs})
+
+    def sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
+        return SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
+                                      [r.output_token_ids for r in reqs], [r.generator for r in reqs],
+                                      device=self.runner.device)
+
+    @staticmethod
+    def _logprob_entry(out, i: int, req: Request) -> tuple[float, dict[int, float]] | None:
+        if req.params.logprobs is None or out.logprobs is None:
+            return None
+        top: dict[int, float] = {}
+        if out.top_logprobs is not None and req.params.logprobs > 0:
+            ids, vals = out.top_logprobs
+            k = req.params.logprobs
+            top = dict(zip(ids[i, :k].tolist(), vals[i, :k].tolist()))
+        return float(out.logprobs[i]), top
+
+    # ------------------------------------------------------------------ commit
+    def append_token(self, req: Request, token: int, logprob: tuple[float, dict[int, float]] | None = None) -> bool:
+        """Commit one sampled token to ``req`` and apply every stop rule. Returns True if it finished.
+
+        Finish rules, in order: a stop token id or EOS (the token is kept in ``token_ids``, its text
+        is not), a completed stop string (text cut before it), ``max_tokens``, ``max_model_len``.
+        """
+        if req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.output_token_ids.append(token)
+        if logprob is not None and req.logprobs is not None:
+            lp, top = logprob
+            entry = {t: Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top.items())}
+            entry.setdefault(token, Logprob(lp))
+            req.logprobs.append(entry)
+            req.cumulative_logprob += lp
+        params = req.params
+        if token in req.stop_token_ids or token in req.eos_token_ids:
+            keep = params.include_stop_str_in_output and token in req.stop_token_ids
+            req.text = self._detokenize(req, req.output_token_ids if keep else req.output_token_ids[:-1])
+            self._finish(req, "stop", token if token in req.stop_token_ids else None)
+            return True
+        prev_len = len(req.text)
+        req.text = self._detokenize(req, req.output_token_ids)
+        if params.stop and self._check_stop_strings(req, prev_len):
+            return True
+        if params.max_tokens is not None and len(req.output_token_ids) >= params.max_tokens:
+            self._finish(req, "length")
+        elif req.num_tokens >= self.max_model_len:
+            self._finish(req, "length")
+        return req.is_finished
+
+    def _detokenize(self, req: Request, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+
+    def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
+        """Cut ``req.text`` at the first stop string completed by the newest token."""
+        best = None
+        for stop in req.params.stop:
+            idx = req.text.find(stop, max(0, prev_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        req.text = req.text[:idx + len(stop)] if req.params.include_stop_str_in_output else req.text[:idx]
+        self._finish(req, "stop", stop)
+        return True
+
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.finish(req)
+        req.finish(reason, stop_reason)
+
+    # ------------------------------------------------------------------ outputs
+    def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
+        outs = []
+        for rid in request_ids:
+            seqs = self.requests.get(rid)
+            if not seqs:
+                continue
+            out = self.make_output(seqs)
+            if out.finished:
+                del self.requests[rid]
+            outs.append(out)
+        return outs
+
+    @staticmethod
+    def make_output(seqs: list[Request]) -> RequestOutput:
+        first = seqs[0]
+        completions = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+            cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in seqs]
+        finished = all(s.is_finished for s in seqs)
+        first_token = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
+        metrics = RequestMetrics(first.arrival_time, first_token,
+                                 max((s.finished_time or 0.0) for s in seqs) if finished else None)
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions,
+                             finished, metrics)

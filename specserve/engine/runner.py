@@ -1,0 +1,65 @@
+"""Model runner: turns a scheduled batch into model inputs, runs the model, returns logits.
+
+The inputs of all scheduled requests are packed into flat host buffers (``input_ids [T]``,
+``positions [T]``) plus one :class:`AttentionMetadata`, then moved to the model's device once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.kv_cache.kv_cache import KVCache
+from specserve.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class ModelInput:
+    """One sequence's slice of a batch: ``token_ids`` written at positions ``context_len ...``."""
+
+    token_ids: list[int]
+    context_len: int
+    block_table: list[int]
+
+
+@dataclass
+class ForwardOutput:
+    hidden_states: torch.Tensor      # [T, hidden_size]
+    metadata: AttentionMetadata
+    last_rows: list[int]             # index in [T] of each sequence's last new token
+
+
+class ModelRunner:
+    """Runs one model (target or draft) over flattened batches against its own paged KV tensors.
+
+    Args:
+        model: the decoder.
+        kv_cache: this model's KV tensors (pages addressed by the shared block tables).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.embed_tokens.device
+
+    def forward(self, inputs: list[ModelInput],
+                tree_masks: list[torch.Tensor | None] | None = None) -> ForwardOutput:
+        """Write the new tokens' KV and return final hidden states of every new token."""
+        input_ids, positions, last_rows = [], [], []
+        for x in inputs:
+            input_ids.extend(x.token_ids)
+            positions.extend(range(x.context_len, x.context_len + len(x.token_ids)))
+            last_rows.append(len(input_ids) - 1)
+        md = AttentionMetadata.build(
+            [x.block_table for x in inputs], [x.context_len for x in inputs],
+            [len(x.token_ids) for x in inputs], self.kv_cache.block_size, tree_masks, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, pos, md, (self.kv_cache.key_cache, self.kv_cache.value_cache))
+        return ForwardOutput(hidden, md, last_rows)
+
+    def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits ``[len(rows), vocab_size]`` float32 of the given rows only."""
+        idx = torch.tensor(rows, dtype=torch.int64, device=hidden_states.device)
+        return self.model.compute_logits(hidden_states.index_select(0, idx))

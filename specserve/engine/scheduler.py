@@ -1,0 +1,137 @@
+"""Continuous-batching scheduler: which requests run this step, and how many tokens each.
+
+Pure Python bookkeeping over :class:`~specserve.kv_cache.BlockManager` (no tensors). One rule
+covers prefill, chunked prefill, decode and recompute after preemption: each step a request's
+computed tokens catch up with its tokens (prompt + output), within the step's token budget.
+Running requests go first, oldest first; waiting ones are admitted first come, first served.
+When pages run out, the newest running request is preempted: its pages are freed and it is
+recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from specserve.config import SchedulerConfig
+from specserve.engine.request import Request, RequestStatus
+from specserve.kv_cache.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledRequest:
+    """``num_new_tokens`` tokens of ``request``, starting at ``request.num_computed_tokens``."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def context_len(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so its logits give the next token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.request.num_computed_tokens
+        return self.request.all_token_ids[start:start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request adds exactly its one newest token (speculation may run on such batches)."""
+        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
+
+
+class Scheduler:
+    """Waiting and running queues over one shared page pool.
+
+    Args:
+        config: batch limits (sequences and tokens per step).
+        block_manager: the page pool shared by target and draft.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self, num_lookahead_tokens: int = 0) -> SchedulerOutput:
+        """Pick this step's batch.
+
+        Args:
+            num_lookahead_tokens: extra slots to reserve for a decoding request (the k draft tokens a
+                speculative step may add beyond its newest token).
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            decoding = req.num_computed_tokens + num_new == req.num_tokens
+            want = req.num_computed_tokens + num_new + (num_lookahead_tokens if decoding else 0)
+            while not bm.can_allocate(req.seq_id, want):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: nothing newer is left to schedule
+            bm.allocate(req.seq_id, want)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+        while (self.waiting and not out.preempted and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not bm.can_allocate(req.seq_id, req.num_computed_tokens + num_new):
+                break
+            bm.allocate(req.seq_id, req.num_computed_tokens + num_new)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free ``req``'s pages and queue it (first) for recompute."""
+        self.running.remove(req)
+        if self.block_manager.has_seq(req.seq_id):
+            self.block_manager.free(req.seq_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def finish(self, req: Request) -> None:
+        """Release a finished or aborted request's pages and drop it from the queues."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.block_manager.has_seq(req.seq_id):
+            self.block_manager.free(req.seq_id)

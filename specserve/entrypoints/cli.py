@@ -1,0 +1,88 @@
+"""``specserve`` command line: ``generate`` (streamed text) and ``bench``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specserve.engine.engine import DEFAULT_MODEL
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="built-in name, Hugging Face folder, .gguf file or hub id (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                block_size=args.block_size)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specserve.engine.engine import EngineArgs, LLMEngine
+    from specserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    engine = LLMEngine(EngineArgs(**engine_kwargs(args)))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      tokenize=False, add_generation_prompt=True)
+    engine.add_request("cli", prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            if not out.finished:  # hold back a partial UTF-8 character
+                text = text.rstrip("\ufffd")
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = max(printed, len(text))
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from specserve.benchmarks.bench import run_bench
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion and stream it to stdout")
+    add_engine_args(g)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="measure decode tokens/s, TTFT and verify cost V(k)")
+    add_engine_args(b)
+    from specserve.benchmarks.bench import add_bench_args
+    add_bench_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:  # bad input: one clear line, not a traceback
+        print(f"specserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

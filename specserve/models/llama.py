@@ -1,0 +1,156 @@
+"""Llama-family decoder (Llama, Qwen2, SmolLM2) on flattened ragged batches.
+
+Architecture (Touvron et al. 2023, "LLaMA", section 2.2; Qwen2 adds q/k/v biases): token
+embedding, ``num_hidden_layers`` pre-norm blocks of RMSNorm -> grouped-query attention with rotary
+position embeddings (Su et al. 2021, RoFormer, rotate-half form) -> residual, RMSNorm -> SwiGLU MLP
+-> residual, then a final RMSNorm and the lm_head (tied to the embedding when the config says so).
+
+The model takes ``input_ids [T]`` and ``positions [T]`` of several sequences concatenated, with an
+:class:`~specserve.attention.metadata.AttentionMetadata` saying where each sequence's rows are, and
+returns final hidden states ``[T, hidden_size]``; logits are computed only for the rows asked for.
+Every op is row-wise (linears through :class:`BatchInvariantLinear`, per-row attention), so a token's
+logits do not depend on what else is in the batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.config import ModelConfig
+from specserve.models.linear import BatchInvariantLinear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight`` over the last dim."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary embedding, rotate-half layout (the Hugging Face Llama/Qwen2 convention).
+
+    ``forward(positions [T], q [T, H, D], k [T, Hkv, D])`` -> rotated ``(q, k)``.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, max_position: int):
+        super().__init__()
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # [P, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([-x2, x1], dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: GQA attention with RoPE, then a SwiGLU MLP.
+
+    q/k/v projections are fused into one linear (``qkv_proj``) and gate/up into ``gate_up_proj``.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, rotary: RotaryEmbedding):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary
+        a = prefix + "self_attn."
+        qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        qkv_b = None
+        if cfg.attention_bias:
+            qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
+        self.qkv_proj = BatchInvariantLinear(qkv_w, qkv_b)
+        self.o_proj = BatchInvariantLinear(w[a + "o_proj.weight"])
+        m = prefix + "mlp."
+        self.gate_up_proj = BatchInvariantLinear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+        self.down_proj = BatchInvariantLinear(w[m + "down_proj.weight"])
+        self.input_layernorm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
+        self.post_attention_layernorm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"],
+                                                     requires_grad=False)
+        self.q_size = cfg.num_attention_heads * cfg.head_dim
+        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
+        self.attn = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        cfg = self.cfg
+        T = hidden.shape[0]
+        x = rms_norm(hidden, self.input_layernorm, cfg.rms_norm_eps)
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        q, k = self.rotary(positions, q, k)
+        attn = self.attn.forward(q, k, v, key_cache, value_cache, md)  # [T, H, D]
+        hidden = hidden + self.o_proj(attn.reshape(T, self.q_size))
+        x = rms_norm(hidden, self.post_attention_layernorm, cfg.rms_norm_eps)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / SmolLM2 decoder built from Hugging Face-named weights.
+
+    Args:
+        config: the model's shape.
+        weights: Hugging Face parameter names -> tensors (see ``specserve.models.loader``);
+            ``lm_head.weight`` may be absent when embeddings are tied.
+    """
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.config = config
+        max_pos = max(config.max_position_embeddings, 1)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_pos)
+        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary)
+            for i in range(config.num_hidden_layers))
+        self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
+        head = weights.get("lm_head.weight")
+        if head is None or config.tie_word_embeddings:
+            head = weights["model.embed_tokens.weight"]
+        self.lm_head = BatchInvariantLinear(head)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids [T]`` int64 -> ``[T, hidden_size]``."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                kv_caches: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Run the decoder over a flattened batch.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids of all sequences, concatenated.
+            positions: ``[T]`` int64 position of each token in its sequence.
+            md: attention metadata of the batch.
+            kv_caches: ``(key_cache, value_cache)``, each
+                ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
+        Returns:
+            ``[T, hidden_size]`` final hidden states (after the last RMSNorm).
+        """
+        key_cache, value_cache = kv_caches
+        hidden = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(positions, hidden, key_cache[i], value_cache[i], md)
+        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits of the rows given."""
+        return self.lm_head(hidden_states).float()

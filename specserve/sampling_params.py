@@ -1,0 +1,104 @@
+"""Per-request sampling parameters, with vLLM's field names and validation rules.
+
+Every check raises ``ValueError`` whose message names the field and the offending value, e.g.
+``"temperature must be >= 0, got -0.5"``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# vLLM treats any temperature below this as greedy decoding.
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request.
+
+    Attributes:
+        n: number of completions to generate for the prompt (>= 1).
+        temperature: softmax temperature; ``< 1e-5`` means greedy (argmax) decoding.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 or -1 disable it.
+        min_p: keep tokens whose probability is >= min_p * (max probability); 0 disables it.
+        repetition_penalty: > 0; 1 disables it. Applied to tokens seen in prompt or output.
+        presence_penalty / frequency_penalty: in [-2, 2]; applied to output tokens only.
+        seed: per-request RNG seed (None = the engine's shared generator).
+        stop: stop strings (a single string is normalized to a one-element list).
+        stop_token_ids: token ids that end generation (besides EOS).
+        ignore_eos: keep generating past EOS.
+        max_tokens: maximum generated tokens; None = until the model's max length.
+        logprobs: number of top logprobs to return besides the sampled token's; None = none.
+        skip_special_tokens: drop special tokens when detokenizing.
+        include_stop_str_in_output: keep the matched stop string in the output text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Normalize the optional lists first so the checks below see lists.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or a positive integer, "
+                             f"got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
+                                            or self.max_tokens <= 0):
+            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop entries must be strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids entries must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature below 1e-5, as in vLLM)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with both disabled spellings (0, -1) mapped to 0."""
+        return max(self.top_k, 0)

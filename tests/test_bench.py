@@ -1,0 +1,61 @@
+"""Quick end-to-end runs of ``specserve bench`` on a tiny random model (figures, not speed)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.entrypoints.cli import main
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_bench_model(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bench_tiny_llama")
+    make_tiny_model("llama", folder)
+    return str(folder)
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
+def test_bench_json_has_positive_figures(tiny_bench_model, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", tiny_bench_model, "--num-prompts", "2", "--max-tokens", "4", "--skip-hf",
+               "--max-k", "2", "--repeats", "2", "--context-len", "20", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    s = res["specserve"]["summary"]
+    for key in ("ttft_median_s", "decode_tok_s_median", "decode_tok_s_aggregate", "e2e_tok_s_median",
+                "e2e_tok_s_aggregate"):
+        assert _positive(s[key]), key
+    assert s["total_tokens"] == 2 * 4
+    assert [len(r["token_ids"]) for r in res["specserve"]["per_prompt"]] == [4, 4]
+    assert [e["k"] for e in res["vk"]["vk"]] == [1, 2]
+    assert all(_positive(e["v"]) and _positive(e["t_ms_median"]) for e in res["vk"]["vk"])
+    assert res["vk"]["context_len"] == 20
+    assert res["hf"] is None
+    assert res["config"]["num_prompts"] == 2 and res["machine"]["torch_threads"] >= 1
+    printed = capsys.readouterr().out
+    assert "| specserve |" in printed and "V(k)" in printed
+
+
+def test_bench_with_hf_peer_and_batching(tiny_bench_model, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", tiny_bench_model, "--num-prompts", "2", "--max-tokens", "3",
+               "--batch-size", "2", "--max-k", "1", "--repeats", "1", "--context-len", "10",
+               "--json", str(out), "--plot", str(tmp_path / "vk.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert _positive(res["hf"]["summary"]["decode_tok_s_median"])
+    assert _positive(res["decode_ratio_specserve_over_hf"])
+    assert [len(r["token_ids"]) for r in res["hf"]["per_prompt"]] == [3, 3]
+    assert len(res["vk"]["vk"]) == 1
+    # same weights, same prompt ids, greedy: the tiny model's tokens agree with transformers'
+    assert res["agreement"]["identical_prompts"] == 2
+    assert "| transformers |" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_flag(tiny_bench_model):
+    assert main(["bench", "--model", tiny_bench_model, "--num-prompts", "0", "--skip-hf"]) == 2
