@@ -6,6 +6,7 @@ Hugging Face ``config.json``, so a loaded HF config maps onto it one to one.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,3 +108,46 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+class SpeculativeMethod(str, enum.Enum):
+    """Names of the speculation methods (``speculative_config["method"]``)."""
+
+    DRAFT_MODEL = "draft_model"
+
+
+SPECULATIVE_METHODS = tuple(m.value for m in SpeculativeMethod)
+
+
+@dataclass
+class SpeculativeConfig:
+    """``speculative_config`` of ``LLM(...)`` (vLLM's spelling).
+
+    Attributes:
+        method: ``"draft_model"`` (a separate small LLM drafts; Leviathan et al. 2023).
+        model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id.
+        num_speculative_tokens: k, draft tokens proposed per step (>= 1).
+    """
+
+    method: str = SpeculativeMethod.DRAFT_MODEL
+    model: str | None = None
+    num_speculative_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:  # str-enum members compare equal to their names
+            raise ValueError(f"unknown speculative method {self.method!r}; choose from {SPECULATIVE_METHODS}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if self.method == SpeculativeMethod.DRAFT_MODEL and not self.model:
+            raise ValueError("speculative method 'draft_model' needs a draft 'model'")
+
+    @classmethod
+    def from_dict(cls, d: "dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """Accept a dict (unknown keys are an error naming them), a config, or None."""
+        if d is None or isinstance(d, SpeculativeConfig):
+            return d
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; valid: {sorted(known)}")
+        return cls(**d)

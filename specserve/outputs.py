@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specserve.metrics import SpecDecodeStats
+
 
 @dataclass
 class Logprob:
@@ -41,6 +43,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    spec_decode: "SpecDecodeStats | None" = None  # draft/accepted tokens of speculative steps
 
     @property
     def ttft(self) -> float | None:

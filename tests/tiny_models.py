@@ -58,3 +58,33 @@ def make_tiny_model(arch: str, folder: str | Path, *, tie: bool = False, seed: i
                 p.normal_(std=0.15)  # layers strong enough that output is not just the last input
     model.save_pretrained(str(folder))
     return model.eval()
+
+
+def make_layer_skip_draft(target_dir: str | Path, folder: str | Path, keep_layers: int = 1,
+                          noise: float = 0.0, seed: int = 0, pad_vocab: int = 0):
+    """A draft that keeps the first ``keep_layers`` layers of a saved target (plus optional weight
+    noise): it agrees with the target often but not always, so drafts are partly accepted.
+    ``pad_vocab`` appends random embedding/lm_head rows, as padded vocabularies do."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
+    model.model.layers = model.model.layers[:keep_layers]
+    model.config.num_hidden_layers = keep_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:keep_layers]
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        if noise:
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.std())
+        if pad_vocab:
+            model.resize_token_embeddings(model.config.vocab_size + pad_vocab)
+            rows = model.get_input_embeddings().weight[-pad_vocab:]
+            rows.copy_(torch.randn(rows.shape, generator=g) * 3.0)
+            head = model.get_output_embeddings().weight
+            if head.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+                head[-pad_vocab:].copy_(torch.randn(head[-pad_vocab:].shape, generator=g) * 3.0)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder))
+    AutoTokenizer.from_pretrained(str(target_dir)).save_pretrained(str(folder))
+    return model.eval()

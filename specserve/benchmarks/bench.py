@@ -183,11 +183,12 @@ def bench_specserve(engine, prompt_ids: list[list[int]], max_tokens: int, batch_
     for start in range(0, len(prompt_ids), batch_size):
         chunk = prompt_ids[start:start + batch_size]
         recs, b = _run_engine_batch(engine, chunk, max_tokens, f"p{start}")
+        b["load_average"] = load_average()
         records += recs
         batches.append(b)
         bar.update(b["n_tokens"])
     bar.close()
-    return {"summary": summarize(records, batches), "per_prompt": records}
+    return {"summary": summarize(records, batches), "per_prompt": records, "batches": batches}
 
 
 def measure_vk(engine, context_ids: list[int], max_k: int, repeats: int, warmup: int = 2) -> dict:
@@ -302,9 +303,10 @@ def bench_hf(model, prompt_ids: list[list[int]], max_tokens: int, batch_size: in
     records, batches = [], []
     for start in tqdm(range(0, len(prompt_ids), batch_size), desc="transformers", unit="batch", file=sys.stderr):
         recs, b = _run_hf_batch(model, prompt_ids[start:start + batch_size], max_tokens, pad_id)
+        b["load_average"] = load_average()
         records += recs
         batches.append(b)
-    return {"summary": summarize(records, batches), "per_prompt": records}
+    return {"summary": summarize(records, batches), "per_prompt": records, "batches": batches}
 
 
 # ----------------------------------------------------------------------------------------- report

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import CacheConfig, SchedulerConfig
+from specserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelInput, ModelRunner
 from specserve.engine.scheduler import Scheduler
@@ -21,8 +21,12 @@ from specserve.kv_cache.block_manager import BlockManager
 from specserve.kv_cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import LoadedModel, load_model
+from specserve.metrics import SpecDecodeStats
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from specserve.sample.sampler import Sampler, SamplingMetadata, make_generator
+from specserve.sample.rejection import rejection_sample
+from specserve.sample.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_probs,
+                                      gather_logprobs, make_generator)
+from specserve.spec_decode.proposer import Proposer
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -48,8 +52,10 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     device: str = "cpu"
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -63,12 +69,15 @@ class LLMEngine:
 
     Args:
         args: engine arguments.
-        loaded: an already loaded model (skips :func:`load_model`; tests build tiny ones).
+        loaded: an already loaded target (skips :func:`load_model`; tests build tiny ones).
+        loaded_draft: an already loaded draft model for ``speculative_config``.
     Raises:
-        ValueError / ModelNotFoundError: for a bad model name or argument, naming the value.
+        ValueError / ModelNotFoundError: for a bad model name or argument, naming the value; a
+            draft whose tokenizer differs from the target's.
     """
 
-    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None):
+    def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
+                 loaded_draft: LoadedModel | None = None):
         self.args = args
         dtype = _DTYPES[args.dtype]
         torch.manual_seed(args.seed)
@@ -93,6 +102,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.sampler = Sampler()
+        self.spec_config = args.speculative_config
+        self.proposer: Proposer | None = None
+        self.spec_stats = SpecDecodeStats()
+        if self.spec_config is not None:
+            from specserve.spec_decode import build_proposer
+            self.proposer = build_proposer(self, loaded_draft)
         self.requests: dict[str, list[Request]] = {}
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
@@ -153,18 +168,40 @@ class LLMEngine:
         """Stop a request at any moment and give back all its pages. Unknown ids are ignored."""
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish("abort")
+                self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     # ------------------------------------------------------------------ step
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.spec_config.num_speculative_tokens if self.proposer is not None else 0
+
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of every request that advanced."""
-        sched = self.scheduler.schedule()
+        """Run one engine step; returns the outputs of every request that advanced.
+
+        Decode-only batches speculate when a proposer is configured; batches with a prefill use
+        ordinary sampling. Either way the proposer then catches up with the target.
+        """
+        k = self.num_speculative_tokens
+        # a speculative step writes the newest token, k drafts and (in the draft) the bonus token
+        sched = self.scheduler.schedule(num_lookahead_tokens=k + 1 if k else 0)
+        if self.proposer is not None:
+            for req in sched.preempted:
+                self.proposer.reset(req)
         if not sched.scheduled:
             return []
+        if self.proposer is not None and sched.is_decode_only:
+            advanced = self._speculative_step([s.request for s in sched.scheduled])
+        else:
+            advanced = self._sampling_step(sched)
+        if self.proposer is not None:
+            self.proposer.catch_up([s.request for s in sched.scheduled if not s.request.is_finished])
+        return self._outputs({r.request_id for r in advanced})
+
+    def _sampling_step(self, sched) -> list[Request]:
+        """One target forward over every scheduled token; one sampled token per finished prompt."""
         inputs = [ModelInput(s.token_ids, s.context_len, self.block_manager.block_table(s.request.seq_id))
                   for s in sched.scheduled]
         fwd = self.runner.forward(inputs)
@@ -179,7 +216,74 @@ class LLMEngine:
         tokens = out.sampled_token_ids.tolist()
         for i, req in enumerate(reqs):
             self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
-        return self._outputs({r.request_id for r in reqs})
+        return reqs
+
+    def _num_draft_tokens(self, req: Request) -> int:
+        """k for this request now: never past max_tokens, max_model_len or the draft's reach."""
+        k = min(self.num_speculative_tokens, self.proposer.max_num_draft_tokens(req),
+                self.max_model_len - req.num_tokens)
+        if req.params.max_tokens is not None:
+            k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
+        return max(0, k)
+
+    def _speculative_step(self, reqs: list[Request]) -> list[Request]:
+        """propose -> verify (one target forward over k+1 tokens per sequence) -> accept -> commit."""
+        t0 = time.perf_counter()
+        ks = [self._num_draft_tokens(r) for r in reqs]
+        proposal = self.proposer.propose(reqs, ks)
+        drafts = proposal.draft_token_ids.tolist()
+        t1 = time.perf_counter()
+        inputs = [ModelInput([r.all_token_ids[-1]] + drafts[i][:ks[i]], r.num_computed_tokens,
+                             self.block_manager.block_table(r.seq_id)) for i, r in enumerate(reqs)]
+        fwd = self.runner.forward(inputs)
+        num_rows = sum(k + 1 for k in ks)
+        logits = self.runner.compute_logits(fwd.hidden_states, list(range(num_rows)))  # [sum(k+1), V]
+        # one sampling row per (request, position): position j sees the drafts before it as output
+        row_reqs, histories = [], []
+        for i, r in enumerate(reqs):
+            for j in range(ks[i] + 1):
+                row_reqs.append(r)
+                histories.append(r.output_token_ids + drafts[i][:j])
+        md = SamplingMetadata.build([r.params for r in row_reqs], [r.prompt_token_ids for r in row_reqs],
+                                    histories, [r.generator for r in row_reqs])
+        probs = compute_probs(logits, md)  # [sum(k+1), V]
+        kmax = proposal.draft_token_ids.shape[1]
+        target_probs = probs.new_zeros(len(reqs), kmax + 1, probs.shape[1])
+        starts = [0]
+        for k in ks:
+            starts.append(starts[-1] + k + 1)
+        for i, k in enumerate(ks):
+            target_probs[i, :k + 1] = probs[starts[i]:starts[i + 1]]
+        greedy = torch.tensor([r.params.greedy for r in reqs])
+        result = rejection_sample(proposal.draft_token_ids, ks, proposal.draft_probs, target_probs, greedy,
+                                  [r.generator for r in reqs])
+        emitted_rows = [starts[i] + j for i, toks in enumerate(result.output_token_ids) for j in range(len(toks))]
+        emitted = [t for toks in result.output_token_ids for t in toks]
+        lp = self._spec_logprobs(logits, emitted_rows, emitted, md)
+        t2 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            m = result.num_accepted[i]
+            r.num_computed_tokens += 1 + m  # newest token + accepted drafts now have valid KV
+            r.spec_stats.observe(ks[i], m)
+            self.spec_stats.observe(ks[i], m)
+            for j, token in enumerate(result.output_token_ids[i]):
+                entry = self._logprob_entry(lp, starts[i] + j, r) if lp is not None else None
+                if self.append_token(r, token, entry):
+                    break
+            if not r.is_finished:
+                self.block_manager.truncate(r.seq_id, r.num_tokens)  # roll rejected slots back
+            self.proposer.on_verified(r, m)
+        self.spec_stats.draft_time_s += t1 - t0
+        self.spec_stats.verify_time_s += t2 - t1
+        return reqs
+
+    def _spec_logprobs(self, logits, rows: list[int], tokens: list[int], md: SamplingMetadata):
+        """Logprobs of emitted tokens, indexed like ``logits`` rows (None when nobody asked)."""
+        if md.max_num_logprobs <= 0 and not md.return_logprobs:
+            return None
+        chosen = torch.zeros(logits.shape[0], dtype=torch.int64)
+        chosen[rows] = torch.tensor(tokens, dtype=torch.int64)
+        return gather_logprobs(logits, chosen, md)
 
     def sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
         return SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
@@ -249,6 +353,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.finish(req)
         req.finish(reason, stop_reason)
+        if self.proposer is not None:
+            self.proposer.reset(req)
 
     # ------------------------------------------------------------------ outputs
     def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
@@ -273,6 +379,7 @@ class LLMEngine:
         finished = all(s.is_finished for s in seqs)
         first_token = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
         metrics = RequestMetrics(first.arrival_time, first_token,
-                                 max((s.finished_time or 0.0) for s in seqs) if finished else None)
+                                 max((s.finished_time or 0.0) for s in seqs) if finished else None,
+                                 spec_decode=first.spec_stats if len(seqs) == 1 else None)
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions,
                              finished, metrics)

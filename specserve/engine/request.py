@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from specserve.metrics import SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
 
@@ -48,6 +49,7 @@ class Request:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -89,8 +89,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            decoding = req.num_computed_tokens + num_new == req.num_tokens
-            want = req.num_computed_tokens + num_new + (num_lookahead_tokens if decoding else 0)
+            want = self._slots_wanted(req, num_new, num_lookahead_tokens)
             while not bm.can_allocate(req.seq_id, want):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -106,15 +105,23 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not bm.can_allocate(req.seq_id, req.num_computed_tokens + num_new):
+            want = self._slots_wanted(req, num_new, num_lookahead_tokens)
+            if not bm.can_allocate(req.seq_id, want):
                 break
-            bm.allocate(req.seq_id, req.num_computed_tokens + num_new)
+            bm.allocate(req.seq_id, want)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
+
+    def _slots_wanted(self, req: Request, num_new: int, num_lookahead_tokens: int) -> int:
+        """Slots ``req`` needs this step: its new tokens, plus the lookahead once it samples; never
+        more than max_model_len (no token is ever written past it)."""
+        samples = req.num_computed_tokens + num_new == req.num_tokens
+        want = req.num_computed_tokens + num_new + (num_lookahead_tokens if samples else 0)
+        return min(want, self.config.max_model_len) if self.config.max_model_len else want
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free ``req``'s pages and queue it (first) for recompute."""

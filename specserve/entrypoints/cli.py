@@ -6,6 +6,9 @@ import sys
 
 from specserve.engine.engine import DEFAULT_MODEL
 
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # drafts for DEFAULT_MODEL (same tokenizer)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # best k measured by `specserve bench` (BENCHMARKS.md)
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -13,11 +16,26 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--speculative-model", default=None,
+                   help=f"draft model (default: {DEFAULT_DRAFT} when --model is the default target)")
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
+                   help="draft tokens per step, k (default: %(default)s)")
+    p.add_argument("--no-speculation", action="store_true", help="decode without a draft")
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """The draft-model config the flags ask for, or None without speculation."""
+    draft = args.speculative_model
+    if draft is None and args.model == DEFAULT_MODEL:
+        draft = DEFAULT_DRAFT
+    if args.no_speculation or draft is None:
+        return None
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                block_size=args.block_size)
+                block_size=args.block_size, speculative_config=speculative_config(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

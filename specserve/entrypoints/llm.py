@@ -19,19 +19,21 @@ class LLM:
     Args:
         model: a built-in name (default ``qwen2.5-coder-1.5b-instruct``), a Hugging Face folder, a
             ``.gguf`` file or a hub id.
-        loaded: an already loaded model, instead of ``model`` (tests).
+        loaded, loaded_draft: already loaded target / draft models, instead of names (tests).
         **kwargs: :class:`~specserve.engine.engine.EngineArgs` fields (``dtype``, ``max_model_len``,
-            ``block_size``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``).
+            ``block_size``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``,
+            ``speculative_config={"method": "draft_model", "model": ..., "num_speculative_tokens": k}``).
     Raises:
         ValueError: an unknown argument or model, naming it.
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, *, loaded: LoadedModel | None = None, **kwargs: Any):
+    def __init__(self, model: str = DEFAULT_MODEL, *, loaded: LoadedModel | None = None,
+                 loaded_draft: LoadedModel | None = None, **kwargs: Any):
         fields = set(EngineArgs.__dataclass_fields__)
         unknown = sorted(set(kwargs) - fields)
         if unknown:
             raise ValueError(f"unknown LLM argument(s) {unknown}; valid: {sorted(fields - {'model'})}")
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), loaded=loaded)
+        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), loaded=loaded, loaded_draft=loaded_draft)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -193,7 +193,7 @@ def apply_min_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _argmax_lowest(x: Tensor) -> Tensor:
+def argmax_lowest(x: Tensor) -> Tensor:
     """[B, V] -> [B] int64: index of the row maximum, the lowest id among ties."""
     v = x.shape[-1]
     ids = torch.arange(v, device=x.device).expand_as(x)
@@ -209,7 +209,7 @@ def compute_probs(logits: Tensor, md: SamplingMetadata) -> Tensor:
     """
     logits = apply_penalties(logits.to(torch.float32), md)
     greedy = md.greedy_mask
-    greedy_ids = _argmax_lowest(logits) if bool(greedy.any()) else None
+    greedy_ids = argmax_lowest(logits) if bool(greedy.any()) else None
     x = apply_temperature(logits, md)
     x = apply_top_k_top_p(x, md)
     x = apply_min_p(x, md)
@@ -221,26 +221,30 @@ def compute_probs(logits: Tensor, md: SamplingMetadata) -> Tensor:
 
 
 def sample(probs: Tensor, md: SamplingMetadata) -> Tensor:
-    """Draw one token per row. probs [B, V] float32 -> token ids [B] int64.
+    """Draw one token per row. probs [B, V] float32 -> token ids [B] int64 (see :func:`draw`)."""
+    return draw(probs, md.greedy_mask, md.generators)
 
-    Greedy rows take the argmax (lowest id on ties). Random rows use the exponential race
-    ``argmax(probs / E)``, E ~ Exp(1) of shape [V] drawn from the row's own generator, so a seeded
-    row's draw is independent of the rest of the batch; unseeded rows share the default generator
-    (one batched draw).
+
+def draw(probs: Tensor, greedy: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of ``probs [B, V]`` -> ``[B]`` int64.
+
+    Greedy rows (``greedy [B]`` bool) take the argmax (lowest id on ties). Random rows use the
+    exponential race ``argmax(probs / E)``, E ~ Exp(1) of shape [V] drawn from the row's own
+    generator, so a seeded row's draw is independent of the rest of the batch; unseeded rows
+    (generator None) share the default generator (one batched draw).
     """
     b, v = probs.shape
-    greedy = md.greedy_mask
-    out = _argmax_lowest(probs)
+    out = argmax_lowest(probs)
     if bool(greedy.all()):
         return out
     noise = torch.ones(b, v, dtype=torch.float32, device=probs.device)
     is_greedy = greedy.tolist()
-    unseeded = [i for i in range(b) if not is_greedy[i] and md.generators[i] is None]
+    unseeded = [i for i in range(b) if not is_greedy[i] and generators[i] is None]
     if unseeded:  # one batched draw from the shared default generator
         noise[unseeded] = torch.empty(len(unseeded), v, dtype=torch.float32,
                                       device=probs.device).exponential_()
     for i in range(b):  # loop over seeded rows (never over the vocabulary)
-        g = md.generators[i]
+        g = generators[i]
         if not is_greedy[i] and g is not None:
             noise[i] = torch.empty(v, dtype=torch.float32, device=g.device).exponential_(generator=g)
     noise.clamp_(min=torch.finfo(torch.float32).tiny)  # guard against an exact 0 draw
@@ -266,14 +270,19 @@ class Sampler:
     """
 
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
-        probs = compute_probs(logits, md)
-        token_ids = sample(probs, md)
-        if md.max_num_logprobs <= 0 and not md.return_logprobs:
-            return SamplerOutput(token_ids, None, None)
-        raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-        sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        if md.max_num_logprobs <= 0:
-            return SamplerOutput(token_ids, sampled_lp, None)
-        k = min(md.max_num_logprobs, logits.shape[-1])
-        top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
-        return SamplerOutput(token_ids, sampled_lp, (top_ids, top_vals))
+        token_ids = sample(compute_probs(logits, md), md)
+        return gather_logprobs(logits, token_ids, md)
+
+
+def gather_logprobs(logits: Tensor, token_ids: Tensor, md: SamplingMetadata) -> SamplerOutput:
+    """Package ``token_ids [B]`` chosen for ``logits [B, V]`` with the logprobs ``md`` asks for:
+    the chosen token's and the top ``md.max_num_logprobs``, from log_softmax of the raw logits."""
+    if md.max_num_logprobs <= 0 and not md.return_logprobs:
+        return SamplerOutput(token_ids, None, None)
+    raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    sampled_lp = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    if md.max_num_logprobs <= 0:
+        return SamplerOutput(token_ids, sampled_lp, None)
+    k = min(md.max_num_logprobs, logits.shape[-1])
+    top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+    return SamplerOutput(token_ids, sampled_lp, (top_ids, top_vals))

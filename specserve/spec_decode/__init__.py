@@ -1,0 +1,53 @@
+"""Speculation methods, chosen by ``SpeculativeConfig.method`` through :data:`PROPOSER_BUILDERS`."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from specserve.config import SpeculativeMethod
+from specserve.spec_decode.proposer import DraftProposal, Proposer
+
+if TYPE_CHECKING:
+    from specserve.engine.engine import LLMEngine
+    from specserve.models.loader import LoadedModel
+
+
+def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
+    """Raise ``ValueError`` unless both tokenizers map every token string to the same id."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab != d_vocab:
+        differing = next((tok for tok, i in d_vocab.items() if t_vocab.get(tok) != i), None)
+        raise ValueError(
+            f"draft {draft_name!r} does not share the target's tokenizer ({len(d_vocab)} vs {len(t_vocab)} "
+            f"tokens; first differing token {differing!r}): draft-target speculation needs the same vocabulary")
+
+
+def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+    from specserve.engine.runner import ModelRunner
+    from specserve.kv_cache.kv_cache import KVCache
+    from specserve.models.llama import LlamaForCausalLM
+    from specserve.models.loader import load_model
+    from specserve.spec_decode.draft_model import DraftModelProposer
+
+    name = engine.spec_config.model
+    dtype = engine.model.dtype
+    loaded = loaded if loaded is not None else load_model(name, dtype=dtype)
+    check_same_tokenizer(engine.tokenizer, loaded.tokenizer, name)
+    weights = {k: v.to(device=engine.args.device, dtype=dtype) for k, v in loaded.weights.items()}
+    model = LlamaForCausalLM(loaded.config, weights).eval()
+    cfg, bm = loaded.config, engine.block_manager
+    kv = KVCache(cfg.num_hidden_layers, bm.num_blocks, bm.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                 dtype, engine.args.device)
+    return DraftModelProposer(ModelRunner(model, kv), bm, engine.model_config.vocab_size)
+
+
+PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[["LLMEngine", "LoadedModel | None"], Proposer]] = {
+    SpeculativeMethod.DRAFT_MODEL: _build_draft_model,
+}
+
+
+def build_proposer(engine: "LLMEngine", loaded_draft: "LoadedModel | None" = None) -> Proposer:
+    """The proposer of ``engine.spec_config.method``."""
+    return PROPOSER_BUILDERS[SpeculativeMethod(engine.spec_config.method)](engine, loaded_draft)
+
+
+__all__ = ["DraftProposal", "Proposer", "build_proposer", "check_same_tokenizer", "PROPOSER_BUILDERS"]

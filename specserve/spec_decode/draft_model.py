@@ -1,0 +1,125 @@
+"""Draft-target speculation: a separate small LLM of the same tokenizer drafts for the target.
+
+Leviathan et al. 2023 and Chen et al. 2023; scheduled as in ../shared/SEED.md sections 3 and 8.
+The draft shares the target's block tables (one page pool) and keeps its own KV tensors. After
+every step it *catches up*: it runs over the tokens it has not seen (a prefill chunk, the target's
+newest token, or after verification the recovered/bonus token and the last draft) and keeps the
+logits of the last one. Those carried logits give the first draft token of the next step, so a
+step of k drafts costs k - 1 further single-token draft forwards. Rejected draft KV entries are
+rolled back by length (``num_computed``), never copied.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.request import Request
+from specserve.engine.runner import ModelInput, ModelRunner
+from specserve.kv_cache.block_manager import BlockManager
+from specserve.sample.sampler import SamplingMetadata, compute_probs, draw
+from specserve.spec_decode.proposer import DraftProposal, Proposer
+
+
+@dataclass
+class _DraftState:
+    num_computed: int = 0                 # tokens whose KV is in the draft cache
+    logits: torch.Tensor | None = None    # [V_target] carried logits for the next first draft token
+    proposed_from: int = 0                # num_computed when the last proposal started
+    disabled: bool = False                # past the draft's maximum position
+
+
+class DraftModelProposer(Proposer):
+    """Args:
+        runner: the draft model with its own KV tensors.
+        block_manager: the page pool shared with the target (the draft only reads block tables).
+        target_vocab_size: the draft's logits are cut or padded to it (padding rows are never proposed).
+    """
+
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, target_vocab_size: int):
+        self.runner = runner
+        self.block_manager = block_manager
+        self.vocab_size = target_vocab_size
+        self.max_position = runner.model.config.max_position_embeddings
+        self.states: dict[int, _DraftState] = {}
+
+    def _state(self, req: Request) -> _DraftState:
+        return self.states.setdefault(req.seq_id, _DraftState())
+
+    def _align(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[N, V_draft]`` -> ``[N, V_target]``: extra rows cut, missing ids at -inf."""
+        v = logits.shape[-1]
+        if v >= self.vocab_size:
+            return logits[:, :self.vocab_size]
+        pad = logits.new_full((logits.shape[0], self.vocab_size - v), float("-inf"))
+        return torch.cat([logits, pad], dim=-1)
+
+    def max_num_draft_tokens(self, req: Request) -> int:
+        st = self._state(req)
+        if st.disabled or st.logits is None:
+            return 0
+        # the catch-up after verification writes up to position num_tokens + k
+        return max(0, self.max_position - req.num_tokens - 1)
+
+    def propose(self, reqs: list[Request], num_draft_tokens: list[int]) -> DraftProposal:
+        b, k = len(reqs), max(num_draft_tokens, default=0)
+        draft_ids = torch.zeros(b, k, dtype=torch.int64)
+        draft_probs = torch.zeros(b, k, self.vocab_size, dtype=torch.float32)
+        histories = [list(r.output_token_ids) for r in reqs]
+        states = [self._state(r) for r in reqs]
+        for st in states:
+            st.proposed_from = st.num_computed
+        logits = None
+        for j in range(k):
+            active = [i for i in range(b) if num_draft_tokens[i] > j]
+            if j == 0:
+                logits = torch.stack([states[i].logits for i in active])
+            else:  # feed the previous draft token of every still-active row, one batched forward
+                inputs = [ModelInput([int(draft_ids[i, j - 1])], states[i].num_computed,
+                                     self.block_manager.block_table(reqs[i].seq_id)) for i in active]
+                fwd = self.runner.forward(inputs)
+                logits = self._align(self.runner.compute_logits(fwd.hidden_states, fwd.last_rows))
+                for i in active:
+                    states[i].num_computed += 1
+            md = SamplingMetadata.build([reqs[i].params for i in active], [reqs[i].prompt_token_ids for i in active],
+                                        [histories[i] for i in active], [reqs[i].generator for i in active])
+            q = compute_probs(logits, md)                     # [A, V]
+            tokens = draw(q, md.greedy_mask, md.generators)   # [A]
+            for row, i in enumerate(active):
+                draft_ids[i, j] = tokens[row]
+                draft_probs[i, j] = q[row]
+                histories[i].append(int(tokens[row]))
+        return DraftProposal(draft_ids, draft_probs, list(num_draft_tokens))
+
+    def on_verified(self, req: Request, num_accepted: int) -> None:
+        st = self._state(req)
+        # KV of the accepted drafts stays; the draft never saw the last draft token
+        st.num_computed = min(st.num_computed, st.proposed_from + num_accepted)
+        st.logits = None
+
+    def catch_up(self, reqs: list[Request]) -> None:
+        inputs, todo = [], []
+        for req in reqs:
+            st = self._state(req)
+            decoding = req.num_computed_tokens == req.num_tokens - 1
+            end = req.num_tokens if decoding else req.num_computed_tokens
+            if st.disabled or end <= st.num_computed:
+                continue
+            if end > self.max_position:  # the draft cannot go further: this sequence stops speculating
+                st.disabled, st.logits = True, None
+                continue
+            tokens = req.all_token_ids[st.num_computed:end]
+            inputs.append(ModelInput(tokens, st.num_computed, self.block_manager.block_table(req.seq_id)))
+            todo.append((st, end, decoding))
+        if not inputs:
+            return
+        fwd = self.runner.forward(inputs)
+        rows = [row for row, (_, _, decoding) in zip(fwd.last_rows, todo) if decoding]
+        logits = self._align(self.runner.compute_logits(fwd.hidden_states, rows)) if rows else None
+        it = iter(range(len(rows)))
+        for st, end, decoding in todo:
+            st.num_computed = end
+            st.logits = logits[next(it)] if decoding else None
+
+    def reset(self, req: Request) -> None:
+        self.states.pop(req.seq_id, None)

