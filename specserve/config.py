@@ -85,7 +85,7 @@ class CacheConfig:
     """Paged KV cache: ``num_blocks`` pages of ``block_size`` token slots each."""
 
     block_size: int = 16
-    num_blocks: int | None = None  # None: sized from max_num_seqs * max_model_len
+    num_blocks: int | None = None  # None: sized from the engine's kv_cache_memory_gb
     dtype: str = "float32"
 
     def __post_init__(self) -> None:

@@ -59,3 +59,19 @@ def test_bench_with_hf_peer_and_batching(tiny_bench_model, tmp_path, capsys):
 
 def test_bench_rejects_bad_flag(tiny_bench_model):
     assert main(["bench", "--model", tiny_bench_model, "--num-prompts", "0", "--skip-hf"]) == 2
+
+
+def test_bench_measures_speculation_in_the_same_run(tiny_bench_model, tmp_path, capsys):
+    """The model drafting for itself: every draft accepted, outputs identical to no speculation."""
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--model", tiny_bench_model, "--speculative-model", tiny_bench_model, "--spec-ks", "2,3",
+               "--num-prompts", "2", "--max-tokens", "6", "--skip-hf", "--max-k", "1", "--repeats", "1",
+               "--context-len", "10", "--json", str(out)])
+    assert rc == 0
+    runs = json.loads(out.read_text())["speculative"]
+    assert [r["k"] for r in runs] == [2, 3]
+    for r in runs:
+        assert r["agreement_with_no_speculation"]["identical_prompts"] == 2
+        assert r["spec_decode"]["acceptance_rate"] == 1.0 and r["spec_decode"]["mean_acceptance_length"] > 2
+        assert _positive(r["speedup_decode_median"])
+    assert "identical to no speculation" in capsys.readouterr().out

@@ -48,6 +48,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=100,
                    help="tokens already in the KV cache for V(k) (default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true", help="do not measure HF transformers generate")
+    p.add_argument("--spec-ks", default="2,3,4",
+                   help="with a draft (--speculative-model, or the default pair): k values to measure "
+                        "speculation at, in the same run (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", metavar="PATH", default=None, help="PNG plot of V(k) (needs matplotlib)")
 
@@ -135,11 +138,35 @@ def summarize(records: list[dict], batches: list[dict]) -> dict:
 
 # ----------------------------------------------------------------------------------------- specserve
 
-def _engine_args(args: argparse.Namespace):
+def _engine_args(args: argparse.Namespace, speculative_config: dict | None = None):
     from specserve.engine.engine import EngineArgs
 
     return EngineArgs(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                      block_size=args.block_size)
+                      block_size=args.block_size, speculative_config=speculative_config)
+
+
+def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list[list[int]],
+                      baseline: dict) -> list[dict]:
+    """Draft-target speculation at each k of ``--spec-ks``, one engine, same prompts as ``baseline``."""
+    from specserve.engine.engine import LLMEngine
+    from specserve.metrics import SpecDecodeStats
+
+    ks = [int(k) for k in args.spec_ks.split(",") if k.strip()]
+    engine = LLMEngine(_engine_args(args, dict(spec_cfg, num_speculative_tokens=ks[0])))
+    runs = []
+    for k in ks:
+        engine.spec_config.num_speculative_tokens = k  # read at every step
+        engine.spec_stats = SpecDecodeStats()
+        r = bench_specserve(engine, prompt_ids, args.max_tokens, args.batch_size)
+        r["k"], r["draft"] = k, spec_cfg["model"]
+        r["spec_decode"] = engine.spec_stats.as_dict()
+        r["agreement_with_no_speculation"] = agreement(baseline["per_prompt"], r["per_prompt"])
+        r["speedup_decode_median"] = r["summary"]["decode_tok_s_median"] / baseline["summary"]["decode_tok_s_median"]
+        r["speedup_e2e_aggregate"] = r["summary"]["e2e_tok_s_aggregate"] / baseline["summary"]["e2e_tok_s_aggregate"]
+        runs.append(r)
+    del engine
+    gc.collect()
+    return runs
 
 
 def _run_engine_batch(engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[dict], dict]:
@@ -356,6 +383,18 @@ def render_markdown(result: dict) -> str:
         lines += ["", f"greedy tokens identical to transformers on {a['identical_prompts']}/{a['prompts']} prompts"
                   + (f" (first divergence at positions {a['first_divergence_positions']})"
                      if a["first_divergence_positions"] else "")]
+    if result.get("speculative"):
+        lines += ["", f"speculation (draft {result['speculative'][0]['draft']}), same prompts, same run:", "",
+                  "| k | decode tok/s median | e2e tok/s aggregate | speedup (decode median) | speedup (e2e) "
+                  "| mean acceptance length | acceptance rate | draft s / verify s | identical to no speculation |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in result["speculative"]:
+            s, sd, a = r["summary"], r["spec_decode"], r["agreement_with_no_speculation"]
+            lines.append(f"| {r['k']} | {_fmt(s['decode_tok_s_median'])} | {_fmt(s['e2e_tok_s_aggregate'])} "
+                         f"| {_fmt(r['speedup_decode_median'])} | {_fmt(r['speedup_e2e_aggregate'])} "
+                         f"| {_fmt(sd['mean_acceptance_length'])} | {_fmt(sd['acceptance_rate'])} "
+                         f"| {sd['draft_time_s']:.0f} / {sd['verify_time_s']:.0f} "
+                         f"| {a['identical_prompts']}/{a['prompts']} |")
     vk = result["vk"]
     lines += ["", f"V(k) = t(k+1 tokens) / t(1 token), target forward + logits, context {vk['context_len']}, "
               f"median of {vk['repeats']} paired repeats; t(1 token) median {vk['t1_ms_median']:.1f} ms", "",
@@ -425,6 +464,11 @@ def run_bench(args: argparse.Namespace) -> int:
     eos = list(engine.model_config.eos_token_ids)
     del engine
     gc.collect()
+    from specserve.entrypoints.cli import speculative_config
+    spec_cfg = speculative_config(args)
+    result["speculative"] = (bench_speculative(args, spec_cfg, prompt_ids, result["specserve"])
+                             if spec_cfg and args.spec_ks.strip() else [])
+    loads["after_speculative"] = load_average()
 
     result["hf"] = None
     if not args.skip_hf:
