@@ -127,17 +127,22 @@ class SpeculativeConfig:
         method: ``"draft_model"`` (a separate small LLM drafts; Leviathan et al. 2023).
         model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id.
         num_speculative_tokens: k, draft tokens proposed per step (>= 1).
+        draft_quantization: ``None`` (float, like the target) or ``"int8"`` (dynamic int8 linears:
+            a cheaper draft; output stays exact because the target verifies every token).
     """
 
     method: str = SpeculativeMethod.DRAFT_MODEL
     model: str | None = None
     num_speculative_tokens: int = 4
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:  # str-enum members compare equal to their names
             raise ValueError(f"unknown speculative method {self.method!r}; choose from {SPECULATIVE_METHODS}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if self.draft_quantization not in (None, "int8"):
+            raise ValueError(f"draft_quantization must be None or 'int8', got {self.draft_quantization!r}")
         if self.method == SpeculativeMethod.DRAFT_MODEL and not self.model:
             raise ValueError("speculative method 'draft_model' needs a draft 'model'")
 

@@ -13,6 +13,7 @@ from specserve.models import gguf_loader, registry
 from specserve.models.loader import (ModelIntegrityError, ModelNotFoundError, load_model, load_tokenizer,
                                      resolve_gguf)
 from specserve.models.registry import ModelPart, RegistryEntry
+from tests.tiny_models import make_tiny_model
 
 SMOLLM = "smollm2-135m-instruct"
 SAMPLE = "def fib(n):\n    return n if n < 2 else fib(n-1) + fib(n-2)  # héllo <|im_end|>"
@@ -24,39 +25,11 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
 
 
-def _save_tiny_tokenizer(folder, vocab_size=200):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def hello world return value", "the quick brown fox " * 20], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(str(folder))
-    return fast
-
-
 def _tiny_model(arch, folder, tie, **save_kw):
-    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import AutoTokenizer
 
-    tok = _save_tiny_tokenizer(folder)
-    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(rope_theta=500000.0, **common))
-    else:
-        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=1000000.0, **common))
-    with torch.no_grad():  # random norms and biases so a mix-up cannot pass by accident
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.normal_()
-    model.save_pretrained(str(folder), **save_kw)
-    return model, tok
+    model = make_tiny_model(arch, folder, tie=tie, **save_kw)
+    return model, AutoTokenizer.from_pretrained(str(folder))
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("qwen2", True)])
@@ -72,13 +45,13 @@ def test_hf_folder_matches_transformers(tmp_path, arch, tie):
     loaded = load_model(str(folder))
     c = loaded.config
     assert c.architecture == arch
-    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 96, 3)
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 3)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 16)
     assert c.rope_theta == (500000.0 if arch == "llama" else 1000000.0)
     assert c.rms_norm_eps == pytest.approx(1e-5)
     assert c.attention_bias == (arch == "qwen2")
     assert c.tie_word_embeddings == tie
-    assert c.vocab_size == len(tok)
+    assert c.vocab_size == model.config.vocab_size
     assert c.eos_token_ids == [2, 0] and c.bos_token_id == 1
 
     expected = model.state_dict()

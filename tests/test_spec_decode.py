@@ -207,3 +207,14 @@ def test_pages_return_after_many_requests_and_aborts(tiny_qwen2_dir, drafts, blo
             engine.abort_request(to_abort.pop())
         engine.block_manager.check_invariants()
     assert all_pages_free(spec)
+
+
+def test_int8_draft_keeps_output_exact(tiny_qwen2_dir, drafts, reference):
+    """A lossy int8 draft changes which tokens are proposed, never which are emitted."""
+    from specserve.models.linear import Int8DynamicLinear
+    llm = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": drafts["perturbed"],
+                                                  "num_speculative_tokens": 4, "draft_quantization": "int8"})
+    draft = llm.llm_engine.proposer.runner.model
+    assert isinstance(draft.lm_head, Int8DynamicLinear)
+    assert token_ids(llm.generate(prompts(), GREEDY)) == reference["batch"]
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0

@@ -27,10 +27,11 @@ def save_tiny_tokenizer(folder: str | Path, vocab_size: int = 300):
 
 def make_tiny_model(arch: str, folder: str | Path, *, tie: bool = False, seed: int = 0, num_layers: int = 3,
                     hidden_size: int = 64, num_heads: int = 4, num_kv_heads: int = 2,
-                    max_position_embeddings: int = 1024, random_norms: bool = True):
+                    max_position_embeddings: int = 1024, random_norms: bool = True, **save_kw):
     """Save a random ``arch`` ("llama" | "qwen2") model plus tokenizer to ``folder``; returns the HF model.
 
     Norm weights and biases are randomized too, so a mix-up of them cannot pass by accident.
+    ``save_kw`` goes to ``save_pretrained`` (e.g. ``max_shard_size="100KB"`` to force shards).
     """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -56,7 +57,7 @@ def make_tiny_model(arch: str, folder: str | Path, *, tie: bool = False, seed: i
                 p.normal_(std=1.0)  # sharp logits: few near-ties in greedy comparisons
             else:
                 p.normal_(std=0.15)  # layers strong enough that output is not just the last input
-    model.save_pretrained(str(folder))
+    model.save_pretrained(str(folder), **save_kw)
     return model.eval()
 
 

@@ -89,9 +89,14 @@ class LLMEngine:
         cfg = self.model_config
         self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype)
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        num_blocks = args.num_blocks or max(1, KVCache.num_blocks_for_memory(
-            int(args.kv_cache_memory_gb * 2**30), cfg.num_hidden_layers, args.block_size,
-            cfg.num_key_value_heads, cfg.head_dim, dtype))
+        if args.num_blocks is None:
+            # the memory budget, but never more pages than max_num_seqs full-length sequences use
+            by_memory = KVCache.num_blocks_for_memory(int(args.kv_cache_memory_gb * 2**30), cfg.num_hidden_layers,
+                                                      args.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
+            by_use = args.max_num_seqs * -(-max_len // args.block_size)
+            num_blocks = max(1, min(by_memory, by_use))
+        else:
+            num_blocks = args.num_blocks
         # A lone request must always fit in the pool, or preemption could never make room for it.
         self.max_model_len = min(max_len, num_blocks * args.block_size)
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, max(args.max_num_batched_tokens, 1),

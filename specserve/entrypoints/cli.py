@@ -7,7 +7,7 @@ import sys
 from specserve.engine.engine import DEFAULT_MODEL
 
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # drafts for DEFAULT_MODEL (same tokenizer)
-DEFAULT_NUM_SPECULATIVE_TOKENS = 4  # best k measured by `specserve bench` (BENCHMARKS.md)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 2  # best k measured by `specserve bench` (BENCHMARKS.md)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"draft model (default: {DEFAULT_DRAFT} when --model is the default target)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per step, k (default: %(default)s)")
+    p.add_argument("--draft-quantization", choices=["int8"], default=None,
+                   help="run the draft's linears in dynamic int8 (cheaper; output stays exact)")
     p.add_argument("--no-speculation", action="store_true", help="decode without a draft")
 
 
@@ -30,7 +32,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         draft = DEFAULT_DRAFT
     if args.no_speculation or draft is None:
         return None
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens}
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
+            "draft_quantization": args.draft_quantization}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -20,7 +20,7 @@ from torch import nn
 from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.config import ModelConfig
-from specserve.models.linear import BatchInvariantLinear
+from specserve.models.linear import BatchInvariantLinear, LINEAR_KINDS
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,7 +59,8 @@ class DecoderLayer(nn.Module):
     q/k/v projections are fused into one linear (``qkv_proj``) and gate/up into ``gate_up_proj``.
     """
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, rotary: RotaryEmbedding,
+                 linear: type[nn.Module] = BatchInvariantLinear):
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
@@ -68,11 +69,11 @@ class DecoderLayer(nn.Module):
         qkv_b = None
         if cfg.attention_bias:
             qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-        self.qkv_proj = BatchInvariantLinear(qkv_w, qkv_b)
-        self.o_proj = BatchInvariantLinear(w[a + "o_proj.weight"])
+        self.qkv_proj = linear(qkv_w, qkv_b)
+        self.o_proj = linear(w[a + "o_proj.weight"])
         m = prefix + "mlp."
-        self.gate_up_proj = BatchInvariantLinear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
-        self.down_proj = BatchInvariantLinear(w[m + "down_proj.weight"])
+        self.gate_up_proj = linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
+        self.down_proj = linear(w[m + "down_proj.weight"])
         self.input_layernorm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"],
                                                      requires_grad=False)
@@ -105,22 +106,27 @@ class LlamaForCausalLM(nn.Module):
         config: the model's shape.
         weights: Hugging Face parameter names -> tensors (see ``specserve.models.loader``);
             ``lm_head.weight`` may be absent when embeddings are tied.
+        linear_kind: ``"float"`` (batch-invariant, exact: targets) or ``"int8"`` (dynamic int8,
+            lossy and cheap: drafts only). See ``specserve.models.linear``.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], linear_kind: str = "float"):
         super().__init__()
         self.config = config
         max_pos = max(config.max_position_embeddings, 1)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_pos)
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        if linear_kind not in LINEAR_KINDS:
+            raise ValueError(f"linear_kind must be one of {sorted(LINEAR_KINDS)}, got {linear_kind!r}")
+        linear = LINEAR_KINDS[linear_kind]
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary)
+            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, linear)
             for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
         head = weights.get("lm_head.weight")
         if head is None or config.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
-        self.lm_head = BatchInvariantLinear(head)
+        self.lm_head = linear(head)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -33,7 +33,8 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
     loaded = loaded if loaded is not None else load_model(name, dtype=dtype)
     check_same_tokenizer(engine.tokenizer, loaded.tokenizer, name)
     weights = {k: v.to(device=engine.args.device, dtype=dtype) for k, v in loaded.weights.items()}
-    model = LlamaForCausalLM(loaded.config, weights).eval()
+    kind = "int8" if engine.spec_config.draft_quantization == "int8" else "float"
+    model = LlamaForCausalLM(loaded.config, weights, linear_kind=kind).eval()
     cfg, bm = loaded.config, engine.block_manager
     kv = KVCache(cfg.num_hidden_layers, bm.num_blocks, bm.block_size, cfg.num_key_value_heads, cfg.head_dim,
                  dtype, engine.args.device)
