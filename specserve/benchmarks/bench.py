@@ -405,22 +405,37 @@ def render_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_plot(vk: dict, path: str) -> str | None:
-    """PNG of V(k); returns a note instead when matplotlib is missing."""
+def write_plot(result: dict, path: str) -> str | None:
+    """PNG of V(k), and with speculation runs a second panel of speedup and acceptance length by k;
+    returns a note instead when matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return f"--plot {path}: matplotlib is not installed, no plot written (pip install matplotlib)"
+    vk, spec = result["vk"], result.get("speculative") or []
+    fig, axes = plt.subplots(1, 2 if spec else 1, figsize=(10 if spec else 5, 3.5), squeeze=False)
+    ax = axes[0][0]
     ks = [e["k"] for e in vk["vk"]]
-    fig, ax = plt.subplots(figsize=(5, 3.5))
     ax.plot(ks, [e["v"] for e in vk["vk"]], marker="o", label="V(k) measured")
     ax.plot(ks, [k + 1 for k in ks], ls="--", color="grey", label="k+1 (no batching gain)")
     ax.axhline(1.0, color="black", lw=0.5)
     ax.set_xlabel("k (draft tokens verified)")
     ax.set_ylabel("t(k+1 tokens) / t(1 token)")
+    ax.set_title("verify cost of the target")
     ax.legend()
+    if spec:
+        ax = axes[0][1]
+        sk = [r["k"] for r in spec]
+        ax.plot(sk, [r["speedup_decode_median"] for r in spec], marker="o", label="decode speedup vs none")
+        ax.plot(sk, [r["spec_decode"]["mean_acceptance_length"] for r in spec], marker="s",
+                label="mean acceptance length")
+        ax.axhline(1.0, color="black", lw=0.5)
+        ax.set_xlabel("k (num_speculative_tokens)")
+        ax.set_title(f"draft {spec[0]['draft']}")
+        ax.set_xticks(sk)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -488,7 +503,7 @@ def run_bench(args: argparse.Namespace) -> int:
     md = render_markdown(result)
     print(md)
     if args.plot:
-        note = write_plot(result["vk"], args.plot)
+        note = write_plot(result, args.plot)
         print(note or f"V(k) plot written to {args.plot}", file=sys.stderr)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
