@@ -462,7 +462,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "config": {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
                    "prompts": f"HumanEval/0..{args.num_prompts - 1}", "max_tokens": args.max_tokens,
                    "batch_size": args.batch_size, "greedy": True, "ignore_eos": True,
-                   "prompt_tokens": [len(x) for x in prompt_ids], "command": " ".join(sys.argv)},
+                   "prompt_tokens": [len(x) for x in prompt_ids], "command": " ".join(["specserve"] + sys.argv[1:])},
     }
     print(f"specserve bench: {args.model} {args.dtype}, {args.num_prompts} HumanEval prompts x "
           f"{args.max_tokens} tokens, batch size {args.batch_size}, torch threads {torch.get_num_threads()}",
