@@ -5,7 +5,7 @@ Every check raises ``ValueError`` whose message names the field and the offendin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # vLLM treats any temperature below this as greedy decoding.
 _GREEDY_EPS = 1e-5
@@ -87,8 +87,8 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         for s in self.stop:
-            if not isinstance(s, str):
-                raise ValueError(f"stop entries must be strings, got {s!r}")
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids entries must be non-negative integers, got {t!r}")

@@ -374,6 +374,8 @@ def test_params_invalid_values(field, value):
 def test_params_invalid_stop_entries():
     with pytest.raises(ValueError, match="42"):
         SamplingParams(stop=["ok", 42])
+    with pytest.raises(ValueError, match="non-empty"):
+        SamplingParams(stop=["ok", ""])
     with pytest.raises(ValueError, match="-7"):
         SamplingParams(stop_token_ids=[1, -7])
 

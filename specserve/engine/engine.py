@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from specserve.engine.request import Request, RequestStatus
+from specserve.engine.request import Request
 from specserve.engine.runner import ModelInput, ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.kv_cache.block_manager import BlockManager
@@ -24,8 +24,7 @@ from specserve.models.loader import LoadedModel, load_model
 from specserve.metrics import SpecDecodeStats
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specserve.sample.rejection import rejection_sample
-from specserve.sample.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_probs,
-                                      gather_logprobs, make_generator)
+from specserve.sample.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, make_generator
 from specserve.spec_decode.proposer import Proposer
 from specserve.sampling_params import SamplingParams
 
