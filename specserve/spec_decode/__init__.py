@@ -25,12 +25,14 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
     from specserve.engine.runner import ModelRunner
     from specserve.kv_cache.kv_cache import KVCache
     from specserve.models.llama import LlamaForCausalLM
-    from specserve.models.loader import load_model
+    from specserve.models.loader import load_model, load_tokenizer
     from specserve.spec_decode.draft_model import DraftModelProposer
 
     name = engine.spec_config.model
     dtype = engine.model.dtype
-    loaded = loaded if loaded is not None else load_model(name, dtype=dtype)
+    if loaded is None:  # compare tokenizers before paying for the draft's weights
+        check_same_tokenizer(engine.tokenizer, load_tokenizer(name), name)
+        loaded = load_model(name, dtype=dtype)
     check_same_tokenizer(engine.tokenizer, loaded.tokenizer, name)
     weights = {k: v.to(device=engine.args.device, dtype=dtype) for k, v in loaded.weights.items()}
     kind = "int8" if engine.spec_config.draft_quantization == "int8" else "float"
