@@ -248,3 +248,14 @@ def test_qwen_builtin(name):
     assert m.config.architecture == "qwen2" and m.config.vocab_size == 151936
     assert m.config.rope_theta == 1e6 and m.config.attention_bias
     assert m.config.eos_token_ids[0] == 151645 and 151643 in m.config.eos_token_ids
+
+
+def test_hub_id_offline_is_one_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(repo_id, **kw):
+        raise huggingface_hub.errors.LocalEntryNotFoundError("cannot reach the Hub and no cached snapshot")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelNotFoundError, match=r"some-org/some-model.*offline"):
+        load_model("some-org/some-model")
