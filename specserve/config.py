@@ -81,21 +81,6 @@ class ModelConfig:
 
 
 @dataclass
-class CacheConfig:
-    """Paged KV cache: ``num_blocks`` pages of ``block_size`` token slots each."""
-
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from the engine's kv_cache_memory_gb
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-
-
-@dataclass
 class SchedulerConfig:
     """Batch limits: at most ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens a step."""
 

@@ -115,7 +115,7 @@ def test_seeded_row_independent_of_batch():
         return rejection_sample(drafts[:rows], [k] * rows, q.expand(rows, k, V).contiguous(),
                                 p.expand(rows, k + 1, V).contiguous(), torch.zeros(rows, dtype=torch.bool), gens)
 
-    alone = [run(1, [torch.Generator().manual_seed(77)]).output_token_ids[0] for _ in range(1)]
+    alone = run(1, [torch.Generator().manual_seed(77)]).output_token_ids
     gens = [torch.Generator().manual_seed(s) for s in range(7)] + [torch.Generator().manual_seed(77)]
     assert run(8, gens).output_token_ids[7] == alone[0]
     draws = {tuple(run(1, [torch.Generator().manual_seed(s)]).output_token_ids[0]) for s in range(30)}

@@ -361,7 +361,7 @@ def render_markdown(result: dict) -> str:
         f"torch {mach['torch']}",
         f"model: {cfg['model']}, dtype {cfg['dtype']}, prompts: HumanEval 0-{cfg['num_prompts'] - 1}, "
         f"max tokens {cfg['max_tokens']} (EOS ignored), batch size {cfg['batch_size']}, greedy",
-        f"load average (1 min) at start / after each phase: "
+        "load average (1 min) at start / after each phase: "
         + ", ".join(f"{k} {v[0]}" for k, v in result.get("load_average", {}).items() if v),
         "",
         "| engine | TTFT median (s) | decode tok/s median | decode tok/s aggregate | e2e tok/s median "

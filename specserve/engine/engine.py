@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from specserve.engine.request import Request
+from specserve.config import SchedulerConfig, SpeculativeConfig
+from specserve.engine.request import Request, sampling_metadata
 from specserve.engine.runner import ModelInput, ModelRunner
 from specserve.engine.scheduler import Scheduler
 from specserve.kv_cache.block_manager import BlockManager
@@ -86,7 +86,6 @@ class LLMEngine:
         weights = {k: v.to(device=args.device, dtype=dtype) for k, v in loaded.weights.items()}
         self.model = LlamaForCausalLM(self.model_config, weights).eval()
         cfg = self.model_config
-        self.cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype)
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if args.num_blocks is None:
             # the memory budget, but never more pages than max_num_seqs full-length sequences use
@@ -216,7 +215,7 @@ class LLMEngine:
             return []
         reqs = [r for r, _ in sampling]
         logits = self.runner.compute_logits(fwd.hidden_states, [row for _, row in sampling])
-        out = self.sampler(logits, self.sampling_metadata(reqs))
+        out = self.sampler(logits, sampling_metadata(reqs, device=self.runner.device))
         tokens = out.sampled_token_ids.tolist()
         for i, req in enumerate(reqs):
             self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
@@ -248,8 +247,7 @@ class LLMEngine:
             for j in range(ks[i] + 1):
                 row_reqs.append(r)
                 histories.append(r.output_token_ids + drafts[i][:j])
-        md = SamplingMetadata.build([r.params for r in row_reqs], [r.prompt_token_ids for r in row_reqs],
-                                    histories, [r.generator for r in row_reqs])
+        md = sampling_metadata(row_reqs, histories, self.runner.device)
         probs = compute_probs(logits, md)  # [sum(k+1), V]
         kmax = proposal.draft_token_ids.shape[1]
         target_probs = probs.new_zeros(len(reqs), kmax + 1, probs.shape[1])
@@ -261,9 +259,7 @@ class LLMEngine:
         greedy = torch.tensor([r.params.greedy for r in reqs])
         result = rejection_sample(proposal.draft_token_ids, ks, proposal.draft_probs, target_probs, greedy,
                                   [r.generator for r in reqs])
-        emitted_rows = [starts[i] + j for i, toks in enumerate(result.output_token_ids) for j in range(len(toks))]
-        emitted = [t for toks in result.output_token_ids for t in toks]
-        lp = self._spec_logprobs(logits, emitted_rows, emitted, md)
+        lp = self._spec_logprobs(logits, starts, result.output_token_ids, md)
         t2 = time.perf_counter()
         for i, r in enumerate(reqs):
             m = result.num_accepted[i]
@@ -281,18 +277,16 @@ class LLMEngine:
         self.spec_stats.verify_time_s += t2 - t1
         return reqs
 
-    def _spec_logprobs(self, logits, rows: list[int], tokens: list[int], md: SamplingMetadata):
-        """Logprobs of emitted tokens, indexed like ``logits`` rows (None when nobody asked)."""
+    @staticmethod
+    def _spec_logprobs(logits, starts: list[int], emitted: list[list[int]], md: SamplingMetadata):
+        """Logprobs of the emitted tokens (row ``starts[i] + j`` holds request i's j-th), indexed like
+        ``logits`` rows; None when no request asked for logprobs."""
         if md.max_num_logprobs <= 0 and not md.return_logprobs:
             return None
         chosen = torch.zeros(logits.shape[0], dtype=torch.int64)
-        chosen[rows] = torch.tensor(tokens, dtype=torch.int64)
+        for start, toks in zip(starts, emitted):
+            chosen[start:start + len(toks)] = torch.tensor(toks, dtype=torch.int64)
         return gather_logprobs(logits, chosen, md)
-
-    def sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
-        return SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs],
-                                      [r.output_token_ids for r in reqs], [r.generator for r in reqs],
-                                      device=self.runner.device)
 
     @staticmethod
     def _logprob_entry(out, i: int, req: Request) -> tuple[float, dict[int, float]] | None:

@@ -10,6 +10,18 @@ from specserve.metrics import SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
 
+def sampling_metadata(reqs: list["Request"], output_histories: list[list[int]] | None = None,
+                      device: torch.device | str = "cpu"):
+    """``SamplingMetadata`` with one row per entry of ``reqs`` (a request may repeat, one row per
+    position). ``output_histories`` overrides each row's output tokens (drafts count as output for
+    penalties); by default each request's own output."""
+    from specserve.sample.sampler import SamplingMetadata
+
+    histories = output_histories if output_histories is not None else [r.output_token_ids for r in reqs]
+    return SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], histories,
+                                  [r.generator for r in reqs], device=device)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,7 +54,6 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""           # detokenized output, cut at a stop string
-        self.sent_text_len = 0   # characters already handed to a streaming client
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0 if params.logprobs is not None else None
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time

@@ -26,7 +26,6 @@ class ModelInput:
 @dataclass
 class ForwardOutput:
     hidden_states: torch.Tensor      # [T, hidden_size]
-    metadata: AttentionMetadata
     last_rows: list[int]             # index in [T] of each sequence's last new token
 
 
@@ -57,7 +56,7 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         hidden = self.model(ids, pos, md, (self.kv_cache.key_cache, self.kv_cache.value_cache))
-        return ForwardOutput(hidden, md, last_rows)
+        return ForwardOutput(hidden, last_rows)
 
     def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits ``[len(rows), vocab_size]`` float32 of the given rows only."""

@@ -64,6 +64,7 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
     """
     b, k = draft_token_ids.shape
     device = target_probs.device
+    num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [B]
     if k == 0:
         num_acc = torch.zeros(b, dtype=torch.int64, device=device)
     else:
@@ -80,12 +81,12 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
                 u[i, :num_draft_tokens[i]] = torch.rand(num_draft_tokens[i], generator=generators[i], device=device)
         # accept iff u < p/q, written without a division; greedy rows accept iff p(d) == 1.
         accept = torch.where(greedy.unsqueeze(1), p_d > 0.5, u * q_d < p_d)   # [B, K]
-        valid = torch.arange(k, device=device).unsqueeze(0) < torch.tensor(num_draft_tokens, device=device).unsqueeze(1)
+        valid = torch.arange(k, device=device).unsqueeze(0) < num_draft.unsqueeze(1)
         accept &= valid
         num_acc = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)           # [B] length of accepted prefix
     rows = torch.arange(b, device=device)
     p_last = target_probs[rows, num_acc]                                      # [B, V]
-    rejected = num_acc < torch.tensor(num_draft_tokens, device=device)
+    rejected = num_acc < num_draft
     if k > 0 and bool(rejected.any()):
         q_last = draft_probs[rows, num_acc.clamp(max=k - 1)]
         final_dist = torch.where(rejected.unsqueeze(1), recovery_distribution(p_last, q_last), p_last)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Request
+from specserve.engine.request import Request, sampling_metadata
 from specserve.engine.runner import ModelInput, ModelRunner
 from specserve.kv_cache.block_manager import BlockManager
-from specserve.sample.sampler import SamplingMetadata, compute_probs, draw
+from specserve.sample.sampler import compute_probs, draw
 from specserve.spec_decode.proposer import DraftProposal, Proposer
 
 
@@ -75,20 +75,20 @@ class DraftModelProposer(Proposer):
             if j == 0:
                 logits = torch.stack([states[i].logits for i in active])
             else:  # feed the previous draft token of every still-active row, one batched forward
-                inputs = [ModelInput([int(draft_ids[i, j - 1])], states[i].num_computed,
+                inputs = [ModelInput([histories[i][-1]], states[i].num_computed,
                                      self.block_manager.block_table(reqs[i].seq_id)) for i in active]
                 fwd = self.runner.forward(inputs)
                 logits = self._align(self.runner.compute_logits(fwd.hidden_states, fwd.last_rows))
                 for i in active:
                     states[i].num_computed += 1
-            md = SamplingMetadata.build([reqs[i].params for i in active], [reqs[i].prompt_token_ids for i in active],
-                                        [histories[i] for i in active], [reqs[i].generator for i in active])
+            md = sampling_metadata([reqs[i] for i in active], [histories[i] for i in active])
             q = compute_probs(logits, md)                     # [A, V]
             tokens = draw(q, md.greedy_mask, md.generators)   # [A]
-            for row, i in enumerate(active):
-                draft_ids[i, j] = tokens[row]
-                draft_probs[i, j] = q[row]
-                histories[i].append(int(tokens[row]))
+            rows = torch.tensor(active, dtype=torch.int64)
+            draft_ids[rows, j] = tokens
+            draft_probs[rows, j] = q
+            for i, t in zip(active, tokens.tolist()):
+                histories[i].append(t)
         return DraftProposal(draft_ids, draft_probs, list(num_draft_tokens))
 
     def on_verified(self, req: Request, num_accepted: int) -> None:
