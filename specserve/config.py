@@ -114,12 +114,17 @@ class SpeculativeConfig:
         num_speculative_tokens: k, draft tokens proposed per step (>= 1).
         draft_quantization: ``None`` (float, like the target) or ``"int8"`` (dynamic int8 linears:
             a cheaper draft; output stays exact because the target verifies every token).
+        adaptive: choose k <= ``num_speculative_tokens`` for every decode step from measured
+            acceptance and step cost, down to 0 (no speculation) for large batches
+            (:mod:`specserve.spec_decode.adaptive`). False: always k. Greedy output is the same
+            either way; seeded sampled output depends on the k of each step.
     """
 
     method: str = SpeculativeMethod.DRAFT_MODEL
     model: str | None = None
     num_speculative_tokens: int = 4
     draft_quantization: str | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:  # str-enum members compare equal to their names

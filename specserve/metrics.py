@@ -56,3 +56,22 @@ class SpecDecodeStats:
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "acceptance_by_position": self.acceptance_by_position,
                 "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s}
+
+
+@dataclass
+class StepStats:
+    """What one engine step did (read by the server's Prometheus metrics after every step).
+
+    ``num_speculative_tokens`` is the k chosen for a decode-only step when speculation is
+    configured (0 = speculation off for this step), None for other steps. ``acceptance`` holds
+    ``(num_draft_tokens, num_accepted)`` per sequence of a speculative step.
+    """
+
+    num_scheduled: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    kv_cache_usage: float
+    num_speculative_tokens: int | None
+    acceptance: list[tuple[int, int]]
+    step_time_s: float

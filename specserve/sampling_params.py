@@ -5,6 +5,7 @@ Every check raises ``ValueError`` whose message names the field and the offendin
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # vLLM treats any temperature below this as greedy decoding.
@@ -64,6 +65,11 @@ class SamplingParams:
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -86,6 +92,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:
+            # completion i of n uses seed + i, and torch generators take 64-bit seeds
+            raise ValueError(f"seed must be in [-2**63, 2**64 - n], got {self.seed}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop entries must be non-empty strings, got {s!r}")

@@ -32,7 +32,7 @@ def prompts(lengths=LENGTHS, seed=0):
 
 
 def spec_llm(target, draft, k, **kw):
-    return LLM(target, speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k},
+    return LLM(target, speculative_config={"method": "draft_model", "adaptive": False, "model": draft, "num_speculative_tokens": k},
                **kw)
 
 
@@ -89,7 +89,7 @@ def test_short_draft_context_stops_speculating(tiny_qwen2_dir):
     draft = load_model(tiny_qwen2_dir)
     draft.config.max_position_embeddings = 40
     llm = LLM(tiny_qwen2_dir, loaded=target, loaded_draft=draft,
-              speculative_config={"method": "draft_model", "model": tiny_qwen2_dir, "num_speculative_tokens": 4})
+              speculative_config={"method": "draft_model", "adaptive": False, "model": tiny_qwen2_dir, "num_speculative_tokens": 4})
     ps = prompts([5, 30, 60])
     assert token_ids(llm.generate(ps, GREEDY)) == token_ids(LLM(tiny_qwen2_dir, loaded=target).generate(ps, GREEDY))
     assert all_pages_free(llm)
@@ -113,7 +113,7 @@ def test_eos_accepted_mid_draft(tiny_qwen2_dir):
     i = next(i for i in range(3, 20) if ref[i] not in ref[:i])
     loaded.config.eos_token_ids = [ref[i]]
     spec = LLM(tiny_qwen2_dir, loaded=loaded, loaded_draft=load_model(tiny_qwen2_dir),
-               speculative_config={"method": "draft_model", "model": tiny_qwen2_dir, "num_speculative_tokens": 8})
+               speculative_config={"method": "draft_model", "adaptive": False, "model": tiny_qwen2_dir, "num_speculative_tokens": 8})
     out = spec.generate(p, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert out.token_ids == ref[:i + 1] and out.finish_reason == "stop"
     assert spec.llm_engine.spec_stats.num_accepted_tokens > i // 2  # the EOS came inside accepted runs
@@ -212,7 +212,7 @@ def test_pages_return_after_many_requests_and_aborts(tiny_qwen2_dir, drafts, blo
 def test_int8_draft_keeps_output_exact(tiny_qwen2_dir, drafts, reference):
     """A lossy int8 draft changes which tokens are proposed, never which are emitted."""
     from specserve.models.linear import Int8DynamicLinear
-    llm = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": drafts["perturbed"],
+    llm = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "adaptive": False, "model": drafts["perturbed"],
                                                   "num_speculative_tokens": 4, "draft_quantization": "int8"})
     draft = llm.llm_engine.proposer.runner.model
     assert isinstance(draft.lm_head, Int8DynamicLinear)

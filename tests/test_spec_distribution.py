@@ -43,7 +43,7 @@ def engines(tiny_qwen2_dir, tmp_path_factory):
     draft = tmp_path_factory.mktemp("dist_draft")
     make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
     spec = LLM(tiny_qwen2_dir, max_num_seqs=256, speculative_config={
-        "method": "draft_model", "model": str(draft), "num_speculative_tokens": 2})
+        "method": "draft_model", "adaptive": False, "model": str(draft), "num_speculative_tokens": 2})
     return LLM(tiny_qwen2_dir, max_num_seqs=256), spec
 
 

@@ -21,10 +21,11 @@ from specserve.kv_cache.block_manager import BlockManager
 from specserve.kv_cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import LoadedModel, load_model
-from specserve.metrics import SpecDecodeStats
+from specserve.metrics import SpecDecodeStats, StepStats
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specserve.sample.rejection import rejection_sample
 from specserve.sample.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, make_generator
+from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.proposer import Proposer
 from specserve.sampling_params import SamplingParams
 
@@ -108,10 +109,15 @@ class LLMEngine:
         self.spec_config = args.speculative_config
         self.proposer: Proposer | None = None
         self.spec_stats = SpecDecodeStats()
+        self.spec_controller: AdaptiveSpeculation | None = None
         if self.spec_config is not None:
             from specserve.spec_decode import build_proposer
             self.proposer = build_proposer(self, loaded_draft)
+            if self.spec_config.adaptive:
+                self.spec_controller = AdaptiveSpeculation(self.spec_config.num_speculative_tokens)
         self.requests: dict[str, list[Request]] = {}
+        self.last_step_stats: StepStats | None = None
+        self._step_acceptance: list[tuple[int, int]] = []
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
 
@@ -139,6 +145,8 @@ class LLMEngine:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                              f"it must be shorter to leave room for output")
@@ -184,23 +192,38 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of every request that advanced.
 
-        Decode-only batches speculate when a proposer is configured; batches with a prefill use
-        ordinary sampling. Either way the proposer then catches up with the target.
+        Decode-only batches speculate when a proposer is configured, with the k chosen for this
+        batch size by :class:`~specserve.spec_decode.adaptive.AdaptiveSpeculation` (0 = a plain
+        decode step; the proposer then does no work and catches up when it next speculates).
+        Batches with a prefill use ordinary sampling.
         """
-        k = self.num_speculative_tokens
+        k_max = self.num_speculative_tokens
         # a speculative step writes the newest token, k drafts and (in the draft) the bonus token
-        sched = self.scheduler.schedule(num_lookahead_tokens=k + 1 if k else 0)
+        sched = self.scheduler.schedule(num_lookahead_tokens=k_max + 1 if k_max else 0)
         if self.proposer is not None:
             for req in sched.preempted:
                 self.proposer.reset(req)
         if not sched.scheduled:
+            self.last_step_stats = None
             return []
+        t0 = time.perf_counter()
+        self._step_acceptance = []
+        k = None
         if self.proposer is not None and sched.is_decode_only:
-            advanced = self._speculative_step([s.request for s in sched.scheduled])
+            reqs = [s.request for s in sched.scheduled]
+            k = self.spec_controller.choose(len(reqs)) if self.spec_controller is not None else k_max
+            steady = True
+            if k > 0:
+                advanced, steady = self._speculative_step(reqs, k)
+            else:
+                advanced = self._sampling_step(sched)
+            if self.spec_controller is not None:
+                self.spec_controller.observe_step(len(reqs), k, time.perf_counter() - t0, steady)
         else:
             advanced = self._sampling_step(sched)
-        if self.proposer is not None:
-            self.proposer.catch_up([s.request for s in sched.scheduled if not s.request.is_finished])
+        self.last_step_stats = StepStats(
+            len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting), len(sched.preempted),
+            self.block_manager.usage, k, self._step_acceptance, time.perf_counter() - t0)
         return self._outputs({r.request_id for r in advanced})
 
     def _sampling_step(self, sched) -> list[Request]:
@@ -221,18 +244,21 @@ class LLMEngine:
             self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
         return reqs
 
-    def _num_draft_tokens(self, req: Request) -> int:
-        """k for this request now: never past max_tokens, max_model_len or the draft's reach."""
-        k = min(self.num_speculative_tokens, self.proposer.max_num_draft_tokens(req),
+    def _num_draft_tokens(self, req: Request, k: int) -> int:
+        """At most k drafts for this request now: never past max_tokens, max_model_len or the draft's reach."""
+        k = min(k, self.proposer.max_num_draft_tokens(req),
                 self.max_model_len - req.num_tokens)
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
         return max(0, k)
 
-    def _speculative_step(self, reqs: list[Request]) -> list[Request]:
-        """propose -> verify (one target forward over k+1 tokens per sequence) -> accept -> commit."""
+    def _speculative_step(self, reqs: list[Request], k: int) -> tuple[list[Request], bool]:
+        """catch up -> propose -> verify (one target forward over k+1 tokens per sequence) -> accept
+        -> commit. Returns the requests and whether the step was steady: the proposer caught up
+        over no more than what the last speculative step left (bonus/recovered token + last draft)."""
         t0 = time.perf_counter()
-        ks = [self._num_draft_tokens(r) for r in reqs]
+        steady = self.proposer.catch_up(reqs) <= 2
+        ks = [self._num_draft_tokens(r, k) for r in reqs]
         proposal = self.proposer.propose(reqs, ks)
         drafts = proposal.draft_token_ids.tolist()
         t1 = time.perf_counter()
@@ -273,9 +299,12 @@ class LLMEngine:
             if not r.is_finished:
                 self.block_manager.truncate(r.seq_id, r.num_tokens)  # roll rejected slots back
             self.proposer.on_verified(r, m)
+        self._step_acceptance = [(ks[i], result.num_accepted[i]) for i in range(len(reqs))]
+        if self.spec_controller is not None:
+            self.spec_controller.observe_acceptance(self._step_acceptance)
         self.spec_stats.draft_time_s += t1 - t0
         self.spec_stats.verify_time_s += t2 - t1
-        return reqs
+        return reqs, steady
 
     @staticmethod
     def _spec_logprobs(logits, starts: list[int], emitted: list[list[int]], md: SamplingMetadata):

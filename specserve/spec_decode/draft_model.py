@@ -1,11 +1,11 @@
 """Draft-target speculation: a separate small LLM of the same tokenizer drafts for the target.
 
 Leviathan et al. 2023 and Chen et al. 2023; scheduled as in ../shared/SEED.md sections 3 and 8.
-The draft shares the target's block tables (one page pool) and keeps its own KV tensors. After
-every step it *catches up*: it runs over the tokens it has not seen (a prefill chunk, the target's
-newest token, or after verification the recovered/bonus token and the last draft) and keeps the
-logits of the last one. Those carried logits give the first draft token of the next step, so a
-step of k drafts costs k - 1 further single-token draft forwards. Rejected draft KV entries are
+The draft shares the target's block tables (one page pool) and keeps its own KV tensors. At the
+start of every speculative step it *catches up*: one batched forward over the tokens it has not
+seen (the prompt, tokens decoded while speculation was off, or after verification the
+recovered/bonus token and the last draft), keeping the logits of the newest token. Those logits
+give the first draft token, so a step of k drafts costs k draft forwards in all. Rejected draft KV entries are
 rolled back by length (``num_computed``), never copied.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ class DraftModelProposer(Proposer):
         st.num_computed = min(st.num_computed, st.proposed_from + num_accepted)
         st.logits = None
 
-    def catch_up(self, reqs: list[Request]) -> None:
+    def catch_up(self, reqs: list[Request]) -> int:
         inputs, todo = [], []
         for req in reqs:
             st = self._state(req)
@@ -112,7 +112,7 @@ class DraftModelProposer(Proposer):
             inputs.append(ModelInput(tokens, st.num_computed, self.block_manager.block_table(req.seq_id)))
             todo.append((st, end, decoding))
         if not inputs:
-            return
+            return 0
         fwd = self.runner.forward(inputs)
         rows = [row for row, (_, _, decoding) in zip(fwd.last_rows, todo) if decoding]
         logits = self._align(self.runner.compute_logits(fwd.hidden_states, rows)) if rows else None
@@ -120,6 +120,7 @@ class DraftModelProposer(Proposer):
         for st, end, decoding in todo:
             st.num_computed = end
             st.logits = logits[next(it)] if decoding else None
+        return max(len(inp.token_ids) for inp in inputs)
 
     def reset(self, req: Request) -> None:
         self.states.pop(req.seq_id, None)

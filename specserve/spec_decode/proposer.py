@@ -1,9 +1,10 @@
 """The interface every speculation method implements for the engine's step loop.
 
 A proposer keeps whatever per-sequence state it needs (a draft KV cache, carried logits) and is
-driven by the engine at three points of a step: ``propose`` before the target verifies a
-decode-only batch, ``on_verified`` after acceptance, and ``catch_up`` after every step (prefill,
-mixed or speculative) so its state covers all of a sequence's tokens again.
+driven by the engine at three points of a speculative step: ``catch_up`` first, so its state
+covers every token of the decode batch (after a prefill, after steps that did not speculate, after
+the last verification), then ``propose``, and ``on_verified`` after acceptance. Steps that do not
+speculate never call it, so a proposer costs nothing while speculation is off.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class Proposer(ABC):
         """The target kept ``num_accepted`` of the drafts proposed for ``req`` this step."""
 
     @abstractmethod
-    def catch_up(self, reqs: list[Request]) -> None:
-        """Bring per-sequence state up to date with the target after a step."""
+    def catch_up(self, reqs: list[Request]) -> int:
+        """Bring per-sequence state up to date with all of each request's tokens (newest included).
+        Returns the most tokens caught up for one sequence (0: nothing to do)."""
 
     @abstractmethod
     def reset(self, req: Request) -> None:

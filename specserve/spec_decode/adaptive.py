@@ -1,0 +1,168 @@
+"""Adaptive speculation length: choose k for every decode step so speculation never slows decoding.
+
+Verification is nearly free only while the target is memory-bound: at batch 1 a forward over k+1
+tokens costs little more than over one, but a large decode batch is compute-bound and every draft
+token costs about as much as a real one. So the speculation length is chosen per step by *goodput*
+(Liu et al. 2024, "Optimizing Speculative Decoding for Serving Large Language Models Using
+Goodput", section 4): for a batch of B sequences and k drafts,
+
+    goodput(B, k) = B * E(k) / T(B, k),     E(k) = 1 + sum_{j=1..k} P(the first j drafts accepted)
+
+with k = 0 meaning a plain decode step (the proposer does no work at all). ``E`` comes from measured
+acceptance (counts decayed so they follow the traffic); ``T`` is the measured wall time of whole
+decode steps (draft, verify, sampling, commit) kept per batch-size bucket and k, per sequence.
+A k never measured in a bucket is estimated by linear interpolation in k between measured ones;
+before any measurement the bucket tries k = 0 and the configured maximum first. Every
+``explore_interval`` steps the runner-up is measured again when its estimate comes within
+``explore_margin`` of the best, so estimates follow a growing context. Arms far from the best are
+not re-measured: at a large batch switching speculation back on makes the draft catch up over every
+token decoded meanwhile, which costs about a draft prefill of the whole batch.
+
+Steps whose cost is not k's own (the draft catching up over a whole prompt, or over the tokens
+decoded while speculation was off) are counted but not timed: the engine passes ``steady=False``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Arm:
+    time_per_seq_s: float | None = None   # EMA of step time / batch size, seconds
+    measured_at: int = -1                  # the bucket's step count when last measured
+
+
+@dataclass
+class _Bucket:
+    arms: list[_Arm]
+    steps: int = 0
+    explore: int | None = None             # an arm being measured: run it twice, record the second
+    explore_left: int = 0
+
+
+@dataclass
+class AdaptiveSpeculation:
+    """Goodput-maximizing choice of the number of draft tokens per decode step.
+
+    Args:
+        max_k: the configured ``num_speculative_tokens`` (the largest k ever chosen).
+        ema: weight of a new step-time measurement in its running average (0, 1].
+        decay: factor applied to the acceptance counts at every observed step, in (0, 1].
+        explore_interval: decode steps of a bucket between re-measurements of the runner-up.
+        explore_margin: the runner-up is re-measured only if its estimated goodput is at least this
+            fraction of the best one's.
+        prior_acceptance: assumed per-draft acceptance before any is measured.
+    """
+
+    max_k: int
+    ema: float = 0.3
+    decay: float = 0.98
+    explore_interval: int = 16
+    explore_margin: float = 0.9
+    prior_acceptance: float = 0.6
+    _buckets: dict[int, _Bucket] = field(default_factory=dict)
+    _accepted: list[float] = field(default_factory=list)   # [max_k] decayed count: first j+1 drafts accepted
+    _drafted: list[float] = field(default_factory=list)    # [max_k] decayed count: j+1 drafts proposed
+    chosen_counts: list[int] = field(default_factory=list)  # [max_k + 1] decode steps run with each k
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        self._accepted = [0.0] * self.max_k
+        self._drafted = [0.0] * self.max_k
+        self.chosen_counts = [0] * (self.max_k + 1)
+
+    # ------------------------------------------------------------------ estimates
+    def acceptance_prob(self, j: int) -> float:
+        """Estimated P(the first j+1 drafts are all accepted), j = 0 .. max_k - 1.
+
+        The measured ratio is blended with ``prior_acceptance ** (j+1)`` through two pseudo-counts.
+        """
+        prior = self.prior_acceptance ** (j + 1)
+        return (self._accepted[j] + 2.0 * prior) / (self._drafted[j] + 2.0)
+
+    def expected_tokens(self, k: int) -> float:
+        """E(k): tokens a sequence gains from one step with k drafts (1 at k = 0)."""
+        return 1.0 + sum(self.acceptance_prob(j) for j in range(k))
+
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        """Batch sizes are grouped by powers of two: 1, 2, 3-4, 5-8, ..."""
+        return max(0, math.ceil(math.log2(max(batch_size, 1))))
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        b = self.bucket_of(batch_size)
+        if b not in self._buckets:
+            self._buckets[b] = _Bucket([_Arm() for _ in range(self.max_k + 1)])
+        return self._buckets[b]
+
+    def estimated_time_per_seq(self, batch_size: int, k: int) -> float | None:
+        """Measured (or, between measured k's, interpolated) step seconds per sequence; None if unknown."""
+        arms = self._bucket(batch_size).arms
+        if arms[k].time_per_seq_s is not None:
+            return arms[k].time_per_seq_s
+        lo = next((j for j in range(k - 1, -1, -1) if arms[j].time_per_seq_s is not None), None)
+        hi = next((j for j in range(k + 1, self.max_k + 1) if arms[j].time_per_seq_s is not None), None)
+        if lo is None or hi is None:
+            return None
+        t_lo, t_hi = arms[lo].time_per_seq_s, arms[hi].time_per_seq_s
+        return t_lo + (t_hi - t_lo) * (k - lo) / (hi - lo)
+
+    def goodput(self, batch_size: int, k: int) -> float | None:
+        """Estimated tokens per second per sequence of a step with k drafts; None if unknown."""
+        t = self.estimated_time_per_seq(batch_size, k)
+        return None if t is None or t <= 0 else self.expected_tokens(k) / t
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, batch_size: int) -> int:
+        """k for the next decode step of ``batch_size`` sequences (0 = do not speculate)."""
+        bucket = self._bucket(batch_size)
+        if bucket.explore is not None and bucket.explore_left > 0:
+            return bucket.explore
+        for k in (0, self.max_k):  # the two ends first: every other k can then be interpolated
+            if bucket.arms[k].time_per_seq_s is None:
+                return self._start_explore(bucket, k)
+        scores = {k: self.goodput(batch_size, k) for k in range(self.max_k + 1)}
+        best = max(scores, key=lambda k: scores[k])
+        if bucket.steps % self.explore_interval == self.explore_interval - 1:
+            others = sorted((k for k in scores if k != best), key=lambda k: -scores[k])
+            if others and scores[others[0]] >= self.explore_margin * scores[best]:
+                return self._start_explore(bucket, others[0])   # the runner-up might be the best
+        return best
+
+    @staticmethod
+    def _start_explore(bucket: _Bucket, k: int) -> int:
+        bucket.explore, bucket.explore_left = k, 2
+        return k
+
+    def observe_step(self, batch_size: int, k: int, step_time_s: float, steady: bool = True) -> None:
+        """Record the wall time of one decode step that ran with k drafts for ``batch_size`` sequences.
+
+        ``steady=False``: the step also did one-off work (the draft caught up over a backlog), so it
+        counts as a step of k but its time is not k's cost.
+        """
+        bucket = self._bucket(batch_size)
+        bucket.steps += 1
+        self.chosen_counts[k] += 1
+        if bucket.explore == k and bucket.explore_left > 0:
+            bucket.explore_left -= 1
+            if bucket.explore_left == 0:
+                bucket.explore = None
+        if not steady:
+            return
+        arm = bucket.arms[k]
+        per_seq = step_time_s / max(batch_size, 1)
+        arm.time_per_seq_s = per_seq if arm.time_per_seq_s is None else (
+            (1 - self.ema) * arm.time_per_seq_s + self.ema * per_seq)
+        arm.measured_at = bucket.steps
+
+    def observe_acceptance(self, observations: list[tuple[int, int]]) -> None:
+        """Record one verify step: ``(num_draft_tokens, num_accepted)`` for each sequence."""
+        for j in range(self.max_k):
+            self._accepted[j] *= self.decay
+            self._drafted[j] *= self.decay
+        for num_draft, num_accepted in observations:
+            for j in range(min(num_draft, self.max_k)):
+                self._drafted[j] += 1.0
+                self._accepted[j] += float(j < num_accepted)

@@ -1,0 +1,113 @@
+"""Adaptive speculation length: the controller against simulated costs with a known optimum, and
+the engine's greedy output with it switched on."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specserve.entrypoints.llm import LLM
+from specserve.sampling_params import SamplingParams
+from specserve.spec_decode.adaptive import AdaptiveSpeculation
+from tests.tiny_models import make_layer_skip_draft
+
+
+def step_time(batch: int, k: int, fixed: float, per_token: float, draft_per_token: float) -> float:
+    """A CPU-like cost: weights read once per forward (``fixed``), compute per token; k draft forwards."""
+    verify = fixed + per_token * batch * (k + 1)
+    draft = k * (0.3 * fixed + draft_per_token * batch) if k else 0.0
+    return verify + draft
+
+
+def true_goodput(batch, k, alpha, **cost) -> float:
+    expected = sum(alpha ** j for j in range(k + 1))  # 1 + alpha + ... + alpha^k
+    return batch * expected / step_time(batch, k, **cost)
+
+
+def simulate(ctrl: AdaptiveSpeculation, batch: int, alpha: float, steps: int, seed: int = 0, **cost):
+    """Run ``steps`` decode steps; returns the tokens produced and the time spent."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        k = ctrl.choose(batch)
+        t = step_time(batch, k, **cost) * rng.uniform(0.95, 1.05)  # timing noise
+        obs = []
+        for _ in range(batch):
+            m = 0
+            while m < k and rng.random() < alpha:
+                m += 1
+            obs.append((k, m))
+        if k:
+            ctrl.observe_acceptance(obs)
+        ctrl.observe_step(batch, k, t)
+        tokens += sum(m + 1 for _, m in obs)
+        seconds += t
+    return tokens, seconds
+
+
+COST = dict(fixed=0.20, per_token=0.004, draft_per_token=0.0015)   # 2-core CPU, 1.5B-like
+
+
+@pytest.mark.parametrize("batch, alpha", [(1, 0.8), (2, 0.7), (16, 0.8), (64, 0.8), (64, 0.3), (1, 0.05)])
+def test_converges_to_the_best_k(batch, alpha):
+    max_k = 4
+    ctrl = AdaptiveSpeculation(max_k)
+    simulate(ctrl, batch, alpha, 300, **COST)
+    scores = {k: true_goodput(batch, k, alpha, **COST) for k in range(max_k + 1)}
+    best = max(scores, key=scores.get)
+    chosen = ctrl.choose(batch)
+    assert scores[chosen] >= 0.95 * scores[best], (chosen, best, scores)
+
+
+@pytest.mark.parametrize("batch, alpha", [(1, 0.8), (64, 0.8), (64, 0.3), (1, 0.05)])
+def test_never_slower_than_no_speculation(batch, alpha):
+    """Over a run, including exploration, throughput is at least 97% of always-k=0 and of the best fixed k."""
+    max_k = 4
+    tokens, seconds = simulate(AdaptiveSpeculation(max_k), batch, alpha, 400, seed=1, **COST)
+    achieved = tokens / seconds
+    best_fixed = max(true_goodput(batch, k, alpha, **COST) for k in range(max_k + 1))
+    assert achieved >= 0.97 * true_goodput(batch, 0, alpha, **COST)
+    assert achieved >= 0.90 * best_fixed
+
+
+def test_acceptance_estimate():
+    ctrl = AdaptiveSpeculation(3, decay=1.0)
+    ctrl.observe_acceptance([(3, 3)] * 60 + [(3, 1)] * 30 + [(3, 0)] * 10)
+    # P(first 1 accepted) = .9, P(first 2) = .6, P(first 3) = .6, blended with 2 prior pseudo-counts
+    assert ctrl.acceptance_prob(0) == pytest.approx((90 + 2 * 0.6) / 102)
+    assert ctrl.acceptance_prob(2) == pytest.approx((60 + 2 * 0.6 ** 3) / 102)
+    assert ctrl.expected_tokens(0) == 1.0
+    assert ctrl.expected_tokens(3) == pytest.approx(1 + sum(ctrl.acceptance_prob(j) for j in range(3)))
+
+
+def test_unsteady_steps_are_counted_not_timed():
+    """A step whose draft caught up over a backlog is slow for reasons other than k."""
+    ctrl = AdaptiveSpeculation(2)
+    ctrl.observe_step(1, 0, 0.1)
+    ctrl.observe_step(1, 2, 5.0, steady=False)   # catch-up over a prompt or a k = 0 stretch
+    assert ctrl.estimated_time_per_seq(1, 2) is None and ctrl.chosen_counts == [1, 0, 1]
+    ctrl.observe_step(1, 2, 0.12)
+    assert ctrl.estimated_time_per_seq(1, 2) == pytest.approx(0.12)
+    assert ctrl.estimated_time_per_seq(1, 1) == pytest.approx(0.11)  # interpolated
+
+
+def test_bad_max_k():
+    with pytest.raises(ValueError, match="max_k"):
+        AdaptiveSpeculation(0)
+
+
+def test_engine_greedy_exact_with_adaptive_k(tiny_qwen2_dir, tmp_path):
+    draft = tmp_path / "draft"
+    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 5, 17, 40, 90, 7, 33, 64)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = LLM(tiny_qwen2_dir).generate(prompts, params)
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
+                                                   "num_speculative_tokens": 4})
+    ctrl = spec.llm_engine.spec_controller
+    # force exploration of every k on the way: the output may not depend on it
+    ctrl.explore_interval, ctrl.explore_margin = 2, 0.0
+    out = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert sum(1 for c in ctrl.chosen_counts if c) >= 3, ctrl.chosen_counts
+    assert spec.llm_engine.block_manager.num_free_blocks == spec.llm_engine.block_manager.num_blocks
