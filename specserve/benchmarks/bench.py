@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from specserve.benchmarks.plotting import load_pyplot
+
 HUMANEVAL_REL = Path("data") / "HumanEval.jsonl.gz"
 VK_SEQ_ID = -1_000_001  # dedicated block-manager sequence id for the V(k) measurement
 
@@ -408,12 +410,9 @@ def render_markdown(result: dict) -> str:
 def write_plot(result: dict, path: str) -> str | None:
     """PNG of V(k), and with speculation runs a second panel of speedup and acceptance length by k;
     returns a note instead when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"--plot {path}: matplotlib is not installed, no plot written (pip install matplotlib)"
+    plt, note = load_pyplot(path)
+    if plt is None:
+        return note
     vk, spec = result["vk"], result.get("speculative") or []
     fig, axes = plt.subplots(1, 2 if spec else 1, figsize=(10 if spec else 5, 3.5), squeeze=False)
     ax = axes[0][0]

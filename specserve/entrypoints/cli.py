@@ -1,4 +1,4 @@
-"""``specserve`` command line: ``generate`` (streamed text) and ``bench``."""
+"""``specserve`` command line: ``generate`` (streamed text), ``bench`` and ``bench-serve``."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", choices=["int8"], default=None,
                    help="run the draft's linears in dynamic int8 (cheaper; output stays exact)")
     p.add_argument("--no-speculation", action="store_true", help="decode without a draft")
+    p.add_argument("--no-adaptive-speculation", action="store_true",
+                   help="always draft k tokens; by default k is chosen per step (0 = off) from measured "
+                        "acceptance and step cost")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step, prefill chunks included (default: %(default)s)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
+                   help="memory for the paged KV cache (default: %(default)s)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory-gb)")
 
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
@@ -33,12 +42,14 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
     if args.no_speculation or draft is None:
         return None
     return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
-            "draft_quantization": args.draft_quantization}
+            "draft_quantization": args.draft_quantization, "adaptive": not args.no_adaptive_speculation}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                block_size=args.block_size, speculative_config=speculative_config(args))
+                block_size=args.block_size, speculative_config=speculative_config(args),
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                kv_cache_memory_gb=args.kv_cache_memory_gb, num_blocks=args.num_blocks)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -71,6 +82,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from specserve.benchmarks.serve_bench import run_serve_bench
+    return run_serve_bench(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specserve.entrypoints.openai.api_server import run_server
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,11 +107,28 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.set_defaults(func=cmd_generate)
 
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--max-queue-len", type=int, default=256,
+                   help="waiting requests beyond which new ones get 503 (default: %(default)s)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="measure decode tokens/s, TTFT and verify cost V(k)")
     add_engine_args(b)
     from specserve.benchmarks.bench import add_bench_args
     add_bench_args(b)
     b.set_defaults(func=cmd_bench)
+
+    bs = sub.add_parser("bench-serve", help="load the OpenAI server at several concurrencies, with and "
+                                            "without speculation: tokens/s, TTFT, TPOT, acceptance")
+    add_engine_args(bs)
+    from specserve.benchmarks.serve_bench import add_serve_bench_args
+    add_serve_bench_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
 
 

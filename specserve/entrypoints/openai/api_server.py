@@ -1,0 +1,502 @@
+"""OpenAI-compatible HTTP server: ``specserve serve --model M [--speculative-model D ...]``.
+
+FastAPI + uvicorn over :class:`~specserve.entrypoints.async_engine.AsyncLLMEngine`. Endpoints:
+``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Errors use OpenAI's format
+``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a prompt too long
+for the context, 404 for an unknown model or route, 503 when the waiting queue is full.
+
+The front end tokenizes with its own copy of the tokenizer (the engine thread detokenizes with the
+other) and checks every request with ``LLMEngine.validate`` before it is queued, so a bad request
+never reaches the step loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specserve.entrypoints.async_engine import AsyncLLMEngine, EngineDeadError
+from specserve.entrypoints.openai.metrics import ServerMetrics
+from specserve.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                                   ModelCard, ModelList)
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid parameters or prompt too long"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    503: {"model": ErrorResponse, "description": "Waiting queue full, or the engine stopped"},
+}
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+@dataclass
+class _Prompt:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class _ChoiceState:
+    sent_text: int = 0
+    sent_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    served_model_name: str
+    max_queue_len: int
+    metrics: ServerMetrics
+    tokenizer: Any = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:  # the front end's own copy: HF tokenizers are not thread-safe
+            self.tokenizer = copy.deepcopy(self.engine.engine.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+
+# ---------------------------------------------------------------------- request preparation
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.served_model_name:
+        raise APIError(404, f"The model {model!r} does not exist; this server serves "
+                            f"{state.served_model_name!r}", param="model", code="model_not_found")
+
+
+def _check_queue(state: ServerState, num_new: int) -> None:
+    if not state.engine.is_running:
+        raise APIError(503, "the engine has stopped", type_="service_unavailable")
+    waiting = state.engine.num_waiting + state.engine.num_pending
+    if waiting + num_new > state.max_queue_len:
+        raise APIError(503, f"the waiting queue is full ({waiting} requests waiting, limit "
+                            f"{state.max_queue_len}); retry later", type_="service_unavailable",
+                       code="queue_full")
+
+
+def _prepare(state: ServerState, text: str | None, ids: list[int], body, max_tokens: int | None,
+             logprobs: int | None) -> _Prompt:
+    """Check one prompt and its parameters; ``max_tokens=None`` means up to the context length."""
+    room = state.max_model_len - len(ids)
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, "
+                            f"you requested {len(ids) + max_tokens} tokens ({len(ids)} in the prompt, "
+                            f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                       param="max_tokens")
+    try:
+        params = body.sampling_params(max_tokens if max_tokens is not None else max(room, 1), logprobs)
+        state.engine.engine.validate(ids, params)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+    return _Prompt(text, ids, params)
+
+
+def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Prompt]:
+    if body.echo:
+        raise APIError(400, "echo=true is not supported", param="echo")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, f"best_of must equal n when given (got best_of={body.best_of}, n={body.n})",
+                       param="best_of")
+    p = body.prompt
+    if isinstance(p, str):
+        raw = [p]
+    elif not p:
+        raise APIError(400, "prompt is empty", param="prompt")
+    elif all(isinstance(x, int) for x in p):
+        raw = [list(p)]
+    else:
+        raw = list(p)
+    prompts = []
+    for item in raw:
+        if isinstance(item, str):
+            if not item:
+                raise APIError(400, "prompt is empty: give at least one character or token id", param="prompt")
+            text, ids = item, list(state.tokenizer.encode(item))
+        else:
+            text, ids = None, list(item)
+        if not ids:
+            raise APIError(400, f"prompt {item!r} has no tokens", param="prompt")
+        prompts.append(_prepare(state, text, ids, body, body.max_tokens, body.logprobs))
+    return prompts
+
+
+def _message_text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"only text content parts are supported, got {str(part)[:80]!r}",
+                           param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> _Prompt:
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    conversation = [{**m.model_dump(exclude_none=True), "content": _message_text(m.content)}
+                    for m in body.messages]
+    try:
+        text = state.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                   add_generation_prompt=body.add_generation_prompt)
+    except Exception as e:  # jinja raises for conversations the template refuses (e.g. bad roles)
+        raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    ids = list(state.tokenizer.encode(text, add_special_tokens=False))
+    if not ids:
+        raise APIError(400, "the chat template produced an empty prompt", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return _prepare(state, text, ids, body, max_tokens, logprobs)
+
+
+# ---------------------------------------------------------------------- output formatting
+def _visible_text(c: CompletionOutput, params: SamplingParams) -> str:
+    """The text safe to stream: while running, hold back what could still become a stop string
+    (it would be cut) and a trailing partial UTF-8 character."""
+    if c.finish_reason is not None:
+        return c.text
+    text = c.text
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    if hold:
+        text = text[:max(0, len(text) - hold)]
+    return text.rstrip("\ufffd")
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    return state.tokenizer.decode([token_id])
+
+
+def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = sum(len(_token_text(state, t)) for t in c.token_ids[:start]) if start else 0
+    for tid, entry in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        s = _token_text(state, tid)
+        tokens.append(s)
+        token_lps.append(entry[tid].logprob)
+        tops.append({_token_text(state, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int) -> dict | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(c.token_ids[start:end], c.logprobs[start:end]):
+        s = _token_text(state, tid)
+        top = [{"token": _token_text(state, t), "logprob": lp.logprob,
+                "bytes": list(_token_text(state, t).encode())}
+               for t, lp in sorted(entry.items(), key=lambda kv: kv[1].rank or 0) if lp.rank is not None]
+        content.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(s.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _usage(prompts: list[_Prompt], finals: list[RequestOutput | None]) -> dict:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(len(c.token_ids) for out in finals if out is not None for c in out.outputs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def _merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Yield ``(i, item)`` from several async iterators as items arrive. Closing this generator
+    cancels the rest (their requests are aborted)."""
+    done_marker = object()
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def drain(i: int, it: AsyncIterator) -> None:
+        try:
+            async for item in it:
+                await q.put((i, item))
+        except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, done_marker))
+
+    tasks = [asyncio.create_task(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done_marker:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Generation:
+    """One API request: its prompts, their engine requests and the response they make."""
+
+    def __init__(self, state: ServerState, prompts: list[_Prompt], kind: str, n: int):
+        self.state, self.prompts, self.kind, self.n = state, prompts, kind, n
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if kind == "chat" else "text_completion"
+        # queued now, so the next request's queue check counts these
+        self.streams = [state.engine.add_request(f"{self.id}-{i}", p.text, p.params, p.token_ids)
+                        for i, p in enumerate(prompts)]
+
+    def iterators(self) -> list[AsyncIterator[RequestOutput]]:
+        return [s.__aiter__() for s in self.streams]
+
+    def abort(self) -> None:
+        """Abort every request not finished yet (the client went away)."""
+        for s in self.streams:
+            s.abort()
+
+    def _logprobs(self, c: CompletionOutput, start: int, end: int) -> dict | None:
+        fn = _chat_logprobs if self.kind == "chat" else _completion_logprobs
+        return fn(self.state, c, start, end)
+
+    async def full(self) -> dict:
+        finals: list[RequestOutput | None] = [None] * len(self.prompts)
+        try:
+            async for i, out in _merge(self.iterators()):
+                finals[i] = out
+        finally:
+            self.abort()
+        choices = []
+        for i, out in enumerate(finals):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                choice: dict[str, Any] = {"index": i * self.n + c.index,
+                                          "logprobs": self._logprobs(c, 0, len(c.token_ids)),
+                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if self.kind == "chat":
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = c.text
+                choices.append(choice)
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.state.served_model_name, "choices": choices,
+                "usage": _usage(self.prompts, finals)}
+
+    async def stream(self, include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        states: dict[int, _ChoiceState] = {}
+        finals: list[RequestOutput | None] = [None] * len(self.prompts)
+        try:
+            async for i, out in _merge(self.iterators()):
+                if out.finished:
+                    finals[i] = out
+                params = self.prompts[i].params
+                choices = []
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    st = states.setdefault(index, _ChoiceState())
+                    if st.finished:
+                        continue
+                    text = _visible_text(c, params)
+                    delta_text = text[st.sent_text:] if len(text) > st.sent_text else ""
+                    end = len(c.token_ids)
+                    finished = c.finish_reason is not None
+                    if not delta_text and end == st.sent_tokens and not finished:
+                        continue
+                    choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(c, st.sent_tokens, end),
+                                              "finish_reason": c.finish_reason,
+                                              "stop_reason": c.stop_reason if finished else None}
+                    if self.kind == "chat":
+                        delta: dict[str, Any] = {"content": delta_text}
+                        if not st.started:
+                            delta["role"] = "assistant"
+                        choice["delta"] = delta
+                    else:
+                        choice["text"] = delta_text
+                    st.started, st.finished = True, finished
+                    st.sent_text, st.sent_tokens = max(st.sent_text, len(text)), end
+                    choices.append(choice)
+                if choices:
+                    yield _sse({"id": self.id, "object": obj, "created": self.created,
+                                "model": self.state.served_model_name, "choices": choices})
+            if include_usage:
+                yield _sse({"id": self.id, "object": obj, "created": self.created,
+                            "model": self.state.served_model_name, "choices": [],
+                            "usage": _usage(self.prompts, finals)})
+        except EngineDeadError as e:
+            yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": None}})
+        finally:
+            self.abort()
+        yield "data: [DONE]\n\n"
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _respond(request: Request, gen: _Generation, stream: bool, include_usage: bool) -> Response:
+    if stream:
+        # Starlette cancels the body iterator when the client disconnects; that aborts the requests.
+        return StreamingResponse(gen.stream(include_usage), media_type="text/event-stream")
+    work = asyncio.create_task(gen.full())
+    watch = asyncio.create_task(_until_disconnected(request))
+    done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    if work not in done:  # the client went away
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        gen.abort()
+        return Response(status_code=499)
+    watch.cancel()
+    try:
+        return JSONResponse(work.result())
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type_="service_unavailable") from None
+
+
+# ---------------------------------------------------------------------- the app
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI application over a started :class:`AsyncLLMEngine`."""
+    app = FastAPI(title="specserve", version="0.1.0",
+                  description="OpenAI-compatible server with lossless speculative decoding")
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        value = first.get("input")
+        shown = repr(value)[:120] if not isinstance(value, dict) else "an object"
+        msg = f"{loc or 'body'}: {first.get('msg', 'invalid')} (got {shown})"
+        if len(errs) > 1:
+            msg += f"; and {len(errs) - 1} more error(s)"
+        return error_response(400, msg, param=loc or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException):
+        type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error_response(e.status_code, str(e.detail), type_)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception):
+        logger.exception("internal error")
+        return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_running:
+            return error_response(503, "the engine has stopped", "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=state.served_model_name, created=state.created,
+                                         max_model_len=state.max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(state, body.model)
+        prompts = _completion_prompts(state, body)
+        _check_queue(state, len(prompts) * body.n)
+        include_usage = body.stream_options.include_usage if body.stream_options else True
+        return await _respond(request, _Generation(state, prompts, "completion", body.n), body.stream,
+                              include_usage)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(state, body.model)
+        prompt = _chat_prompt(state, body)
+        _check_queue(state, body.n)
+        include_usage = body.stream_options.include_usage if body.stream_options else True
+        return await _respond(request, _Generation(state, [prompt], "chat", body.n), body.stream, include_usage)
+
+    return app
+
+
+def make_server_state(engine, served_model_name: str, max_queue_len: int = 256) -> ServerState:
+    """Wrap an :class:`LLMEngine` for serving and start its loop thread."""
+    metrics = ServerMetrics(engine.num_speculative_tokens)
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_finished=metrics.on_finished)
+    async_engine.start()
+    return ServerState(async_engine, served_model_name, max_queue_len, metrics)
+
+
+def run_server(args) -> int:
+    """``specserve serve``: load the models, then serve until interrupted.
+
+    Raises:
+        ValueError: a bad model name or argument (before the port is opened).
+    """
+    import uvicorn
+
+    from specserve.engine.engine import EngineArgs, LLMEngine
+    from specserve.entrypoints.cli import engine_kwargs
+
+    if args.max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(EngineArgs(**engine_kwargs(args)))
+    state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len)
+    logger.info("serving %s (max_model_len %d, speculation %s) on http://%s:%d", state.served_model_name,
+                engine.max_model_len, engine.spec_config or "off", args.host, args.port)
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        state.engine.shutdown()
+    return 0

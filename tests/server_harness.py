@@ -1,0 +1,63 @@
+"""Run the OpenAI-compatible server in a background thread on a free 127.0.0.1 port (tests only)."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from specserve.entrypoints.openai.api_server import ServerState, build_app, make_server_state
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    state: ServerState
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def engine(self):
+        """The LLMEngine (read it only while no request is running)."""
+        return self.state.engine.engine
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Wait until the engine holds no request (aborts are applied between steps)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.state.engine.num_unfinished == 0 and not self.engine.has_unfinished_requests() \
+                    and not self.engine.requests:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"engine still busy: {self.engine.scheduler.running} {self.engine.scheduler.waiting}")
+
+    def all_pages_free(self) -> bool:
+        bm = self.engine.block_manager
+        return bm.num_free_blocks == bm.num_blocks and not bm.seq_ids()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.state.engine.shutdown()
+
+
+def start_server(engine, served_model_name: str, max_queue_len: int = 256) -> RunningServer:
+    state = make_server_state(engine, served_model_name, max_queue_len)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    return RunningServer(f"http://127.0.0.1:{port}", state, server, thread)
