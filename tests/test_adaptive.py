@@ -111,3 +111,16 @@ def test_engine_greedy_exact_with_adaptive_k(tiny_qwen2_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert sum(1 for c in ctrl.chosen_counts if c) >= 3, ctrl.chosen_counts
     assert spec.llm_engine.block_manager.num_free_blocks == spec.llm_engine.block_manager.num_blocks
+
+
+def test_larger_batches_inherit_speculation_off():
+    """Once a batch size has measured k = 0 as best, larger unmeasured ones start with k = 0 and the
+    draft does not follow their prompts (preferred_k 0); smaller ones are unaffected."""
+    ctrl = AdaptiveSpeculation(2)
+    for _ in range(4):
+        ctrl.observe_step(16, 0, 1.0)
+        ctrl.observe_step(16, 2, 3.5)     # per sequence: 3.5x the time for ~2.2x the tokens
+    assert ctrl.preferred_k(16) == 0
+    assert ctrl.choose(64) == 0 and ctrl.preferred_k(64) == 0 and ctrl.preferred_k(40) == 0
+    assert ctrl.preferred_k(1) == 2        # unmeasured and smaller: still worth measuring
+    assert ctrl.choose(1) in (0, 2)

@@ -142,7 +142,7 @@ def test_parse_concurrency_and_modes():
     assert sb.parse_modes("spec") == ["spec"] and sb.parse_modes("none, spec") == ["none", "spec"]
     with pytest.raises(ValueError, match="'fast'"):
         sb.parse_modes("none,fast")
-    assert sb.requests_for(1, None) == 8 and sb.requests_for(16, None) == 32 and sb.requests_for(16, 3) == 3
+    assert sb.requests_for(1, None) == 8 and sb.requests_for(16, None) == 16 and sb.requests_for(16, 3) == 3
 
 
 def test_check_args():

@@ -69,7 +69,7 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,16,64",
                    help="comma-separated numbers of requests in flight (default: %(default)s)")
     p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per concurrency level (default: max(2*c, 8))")
+                   help="requests per concurrency level (default: max(c, 8): every level keeps c requests in flight)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="tokens per request, EOS ignored (default: %(default)s)")
     p.add_argument("--port", type=int, default=8011, help="port of the launched server (default: %(default)s)")
@@ -115,8 +115,8 @@ def parse_modes(text: str) -> list[str]:
 
 
 def requests_for(concurrency: int, num_requests: int | None) -> int:
-    """Requests run at one level: ``--num-requests`` when given, else ``max(2 * c, 8)``."""
-    return max(2 * concurrency, 8) if num_requests is None else num_requests
+    """Requests run at one level: ``--num-requests`` when given, else ``max(c, 8)``."""
+    return max(concurrency, 8) if num_requests is None else num_requests
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:

@@ -220,7 +220,14 @@ class LLMEngine:
             if self.spec_controller is not None:
                 self.spec_controller.observe_step(len(reqs), k, time.perf_counter() - t0, steady)
         else:
+            # a prefill or mixed step: the draft follows along while speculation is wanted, so
+            # new prompts are ready to speculate on; otherwise it stays idle
+            follow = []
+            if self.proposer is not None and self._speculation_wanted(len(self.scheduler.running)):
+                follow = [s.request for s in sched.scheduled if self._draft_keeps_up(s.request)]
             advanced = self._sampling_step(sched)
+            if follow:
+                self.proposer.catch_up([r for r in follow if not r.is_finished])
         self.last_step_stats = StepStats(
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting), len(sched.preempted),
             self.block_manager.usage, k, self._step_acceptance, time.perf_counter() - t0)
@@ -244,6 +251,16 @@ class LLMEngine:
             self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
         return reqs
 
+    def _speculation_wanted(self, batch_size: int) -> bool:
+        return self.spec_controller is None or self.spec_controller.preferred_k(batch_size) > 0
+
+    def _draft_keeps_up(self, req: Request) -> bool:
+        """Whether the proposer is close enough behind ``req``'s computed tokens to catch up in a
+        step. A sequence it fell far behind (speculation was off for it a while) is left to decode
+        without speculation: catching up would cost a draft prefill."""
+        lag = req.num_computed_tokens - self.proposer.num_computed_tokens(req)
+        return lag <= 4 * (self.num_speculative_tokens + 1)
+
     def _num_draft_tokens(self, req: Request, k: int) -> int:
         """At most k drafts for this request now: never past max_tokens, max_model_len or the draft's reach."""
         k = min(k, self.proposer.max_num_draft_tokens(req),
@@ -257,8 +274,9 @@ class LLMEngine:
         -> commit. Returns the requests and whether the step was steady: the proposer caught up
         over no more than what the last speculative step left (bonus/recovered token + last draft)."""
         t0 = time.perf_counter()
-        steady = self.proposer.catch_up(reqs) <= 2
-        ks = [self._num_draft_tokens(r, k) for r in reqs]
+        eligible = [self._draft_keeps_up(r) for r in reqs]
+        steady = self.proposer.catch_up([r for r, e in zip(reqs, eligible) if e]) <= 2
+        ks = [self._num_draft_tokens(r, k) if e else 0 for r, e in zip(reqs, eligible)]
         proposal = self.proposer.propose(reqs, ks)
         drafts = proposal.draft_token_ids.tolist()
         t1 = time.perf_counter()

@@ -115,11 +115,36 @@ class AdaptiveSpeculation:
         return None if t is None or t <= 0 else self.expected_tokens(k) / t
 
     # ------------------------------------------------------------------ decisions
+    def _presumed_off(self, batch_size: int) -> bool:
+        """True when this bucket has not measured speculation but a smaller batch already found it
+        not worth it: verification only gets relatively dearer as the batch grows."""
+        b = self.bucket_of(batch_size)
+        if self._bucket(batch_size).arms[self.max_k].time_per_seq_s is not None:
+            return False
+        for smaller in range(b - 1, -1, -1):
+            arms = self._buckets[smaller].arms if smaller in self._buckets else None
+            if arms and arms[0].time_per_seq_s is not None and arms[self.max_k].time_per_seq_s is not None:
+                scores = [self.goodput(2 ** smaller, k) for k in range(self.max_k + 1)]
+                return max(range(self.max_k + 1), key=lambda k: scores[k]) == 0
+        return False
+
+    def preferred_k(self, batch_size: int) -> int:
+        """The k the estimates favour for ``batch_size`` now, without exploring (the configured
+        maximum while unmeasured). The engine lets the draft follow new prompts only when > 0."""
+        if self._presumed_off(batch_size):
+            return 0
+        scores = [self.goodput(batch_size, k) for k in range(self.max_k + 1)]
+        if scores[0] is None or scores[self.max_k] is None:
+            return self.max_k
+        return max(range(self.max_k + 1), key=lambda k: scores[k])
+
     def choose(self, batch_size: int) -> int:
         """k for the next decode step of ``batch_size`` sequences (0 = do not speculate)."""
         bucket = self._bucket(batch_size)
         if bucket.explore is not None and bucket.explore_left > 0:
             return bucket.explore
+        if self._presumed_off(batch_size):
+            return 0
         for k in (0, self.max_k):  # the two ends first: every other k can then be interpolated
             if bucket.arms[k].time_per_seq_s is None:
                 return self._start_explore(bucket, k)

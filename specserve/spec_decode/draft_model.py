@@ -54,6 +54,9 @@ class DraftModelProposer(Proposer):
         pad = logits.new_full((logits.shape[0], self.vocab_size - v), float("-inf"))
         return torch.cat([logits, pad], dim=-1)
 
+    def num_computed_tokens(self, req: Request) -> int:
+        return self._state(req).num_computed
+
     def max_num_draft_tokens(self, req: Request) -> int:
         st = self._state(req)
         if st.disabled or st.logits is None:

@@ -31,6 +31,10 @@ class Proposer(ABC):
     """Proposes draft tokens for sequences whose prompt is fully computed."""
 
     @abstractmethod
+    def num_computed_tokens(self, req: Request) -> int:
+        """Tokens of ``req`` the proposer has processed (its state covers them)."""
+
+    @abstractmethod
     def max_num_draft_tokens(self, req: Request) -> int:
         """How many draft tokens this proposer can make for ``req`` now (0 = cannot speculate)."""
 
