@@ -56,7 +56,12 @@ def test_converges_to_the_best_k(batch, alpha):
     scores = {k: true_goodput(batch, k, alpha, **COST) for k in range(max_k + 1)}
     best = max(scores, key=scores.get)
     chosen = ctrl.choose(batch)
-    assert scores[chosen] >= 0.95 * scores[best], (chosen, best, scores)
+    # speculation must beat k = 0 by min_gain: a k > 0 only slightly better may be passed over
+    assert scores[chosen] >= 0.95 * scores[best] / ctrl.min_gain, (chosen, best, scores)
+    if scores[best] > 1.3 * scores[0]:
+        assert chosen > 0
+    if scores[0] == scores[best]:
+        assert chosen == 0
 
 
 @pytest.mark.parametrize("batch, alpha", [(1, 0.8), (64, 0.8), (64, 0.3), (1, 0.05)])
@@ -67,7 +72,7 @@ def test_never_slower_than_no_speculation(batch, alpha):
     achieved = tokens / seconds
     best_fixed = max(true_goodput(batch, k, alpha, **COST) for k in range(max_k + 1))
     assert achieved >= 0.97 * true_goodput(batch, 0, alpha, **COST)
-    assert achieved >= 0.90 * best_fixed
+    assert achieved >= 0.85 * best_fixed
 
 
 def test_acceptance_estimate():
@@ -106,7 +111,7 @@ def test_engine_greedy_exact_with_adaptive_k(tiny_qwen2_dir, tmp_path):
                                                    "num_speculative_tokens": 4})
     ctrl = spec.llm_engine.spec_controller
     # force exploration of every k on the way: the output may not depend on it
-    ctrl.explore_interval, ctrl.explore_margin = 2, 0.0
+    ctrl.explore_interval, ctrl.explore_margin, ctrl.min_gain = 2, 0.0, 0.0
     out = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert sum(1 for c in ctrl.chosen_counts if c) >= 3, ctrl.chosen_counts

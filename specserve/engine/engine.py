@@ -275,8 +275,10 @@ class LLMEngine:
         over no more than what the last speculative step left (bonus/recovered token + last draft)."""
         t0 = time.perf_counter()
         eligible = [self._draft_keeps_up(r) for r in reqs]
-        steady = self.proposer.catch_up([r for r, e in zip(reqs, eligible) if e]) <= 2
+        caught_up = self.proposer.catch_up([r for r, e in zip(reqs, eligible) if e])
         ks = [self._num_draft_tokens(r, k) if e else 0 for r, e in zip(reqs, eligible)]
+        # a step timed as k's cost: every sequence drafted, after no more catch-up than usual
+        steady = all(eligible) and caught_up <= 2 and any(ks)
         proposal = self.proposer.propose(reqs, ks)
         drafts = proposal.draft_token_ids.tolist()
         t1 = time.perf_counter()

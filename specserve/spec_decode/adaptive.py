@@ -13,10 +13,10 @@ acceptance (counts decayed so they follow the traffic); ``T`` is the measured wa
 decode steps (draft, verify, sampling, commit) kept per batch-size bucket and k, per sequence.
 A k never measured in a bucket is estimated by linear interpolation in k between measured ones;
 before any measurement the bucket tries k = 0 and the configured maximum first. Every
-``explore_interval`` steps the runner-up is measured again when its estimate comes within
-``explore_margin`` of the best, so estimates follow a growing context. Arms far from the best are
-not re-measured: at a large batch switching speculation back on makes the draft catch up over every
-token decoded meanwhile, which costs about a draft prefill of the whole batch.
+``explore_interval`` steps of speculation the runner-up is measured again when its estimate comes
+within ``explore_margin`` of the best, so estimates follow a growing context. Once k = 0 is best,
+nothing else is tried there: the draft falls behind the running sequences, and catching up would
+cost a draft prefill of the whole batch. Speculation must beat k = 0 by ``min_gain``.
 
 Steps whose cost is not k's own (the draft catching up over a whole prompt, or over the tokens
 decoded while speculation was off) are counted but not timed: the engine passes ``steady=False``.
@@ -52,6 +52,8 @@ class AdaptiveSpeculation:
         explore_interval: decode steps of a bucket between re-measurements of the runner-up.
         explore_margin: the runner-up is re-measured only if its estimated goodput is at least this
             fraction of the best one's.
+        min_gain: speculation runs only where its estimated goodput beats no speculation's by this
+            factor (the draft's prompt prefill and measurement noise are not in the estimates).
         prior_acceptance: assumed per-draft acceptance before any is measured.
     """
 
@@ -60,6 +62,7 @@ class AdaptiveSpeculation:
     decay: float = 0.98
     explore_interval: int = 16
     explore_margin: float = 0.9
+    min_gain: float = 1.1
     prior_acceptance: float = 0.6
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     _accepted: list[float] = field(default_factory=list)   # [max_k] decayed count: first j+1 drafts accepted
@@ -88,8 +91,10 @@ class AdaptiveSpeculation:
 
     @staticmethod
     def bucket_of(batch_size: int) -> int:
-        """Batch sizes are grouped by powers of two: 1, 2, 3-4, 5-8, ..."""
-        return max(0, math.ceil(math.log2(max(batch_size, 1))))
+        """Batch sizes 1..8 each have their own bucket (per-sequence cost still changes fast there,
+        and arms must be compared at the same size); above, powers of two: 9-16, 17-32, ..."""
+        b = max(batch_size, 1)
+        return b if b <= 8 else 8 + math.ceil(math.log2(b)) - 3
 
     def _bucket(self, batch_size: int) -> _Bucket:
         b = self.bucket_of(batch_size)
@@ -99,7 +104,10 @@ class AdaptiveSpeculation:
 
     def estimated_time_per_seq(self, batch_size: int, k: int) -> float | None:
         """Measured (or, between measured k's, interpolated) step seconds per sequence; None if unknown."""
-        arms = self._bucket(batch_size).arms
+        return self._time_in(self._bucket(batch_size), k)
+
+    def _time_in(self, bucket: _Bucket, k: int) -> float | None:
+        arms = bucket.arms
         if arms[k].time_per_seq_s is not None:
             return arms[k].time_per_seq_s
         lo = next((j for j in range(k - 1, -1, -1) if arms[j].time_per_seq_s is not None), None)
@@ -111,21 +119,34 @@ class AdaptiveSpeculation:
 
     def goodput(self, batch_size: int, k: int) -> float | None:
         """Estimated tokens per second per sequence of a step with k drafts; None if unknown."""
-        t = self.estimated_time_per_seq(batch_size, k)
+        return self.goodput_in(self._bucket(batch_size), k)
+
+    def goodput_in(self, bucket: _Bucket, k: int) -> float | None:
+        t = self._time_in(bucket, k)
         return None if t is None or t <= 0 else self.expected_tokens(k) / t
 
     # ------------------------------------------------------------------ decisions
+    def _best(self, scores: list[float | None]) -> int | None:
+        """The k to run given goodput estimates: speculation must beat k = 0 by ``min_gain``
+        (measurement noise and the draft's prompt prefill are not in the estimates)."""
+        if scores[0] is None or scores[self.max_k] is None:
+            return None
+        best = max(range(1, self.max_k + 1), key=lambda k: scores[k] if scores[k] is not None else -1.0)
+        return best if scores[best] is not None and scores[best] >= self.min_gain * scores[0] else 0
+
+    def _bucket_scores(self, b: int) -> list[float | None]:
+        return [self.goodput_in(self._buckets[b], k) for k in range(self.max_k + 1)]
+
     def _presumed_off(self, batch_size: int) -> bool:
         """True when this bucket has not measured speculation but a smaller batch already found it
         not worth it: verification only gets relatively dearer as the batch grows."""
         b = self.bucket_of(batch_size)
         if self._bucket(batch_size).arms[self.max_k].time_per_seq_s is not None:
             return False
-        for smaller in range(b - 1, -1, -1):
-            arms = self._buckets[smaller].arms if smaller in self._buckets else None
-            if arms and arms[0].time_per_seq_s is not None and arms[self.max_k].time_per_seq_s is not None:
-                scores = [self.goodput(2 ** smaller, k) for k in range(self.max_k + 1)]
-                return max(range(self.max_k + 1), key=lambda k: scores[k]) == 0
+        for smaller in sorted((x for x in self._buckets if x < b), reverse=True):
+            best = self._best(self._bucket_scores(smaller))
+            if best is not None:
+                return best == 0
         return False
 
     def preferred_k(self, batch_size: int) -> int:
@@ -133,10 +154,8 @@ class AdaptiveSpeculation:
         maximum while unmeasured). The engine lets the draft follow new prompts only when > 0."""
         if self._presumed_off(batch_size):
             return 0
-        scores = [self.goodput(batch_size, k) for k in range(self.max_k + 1)]
-        if scores[0] is None or scores[self.max_k] is None:
-            return self.max_k
-        return max(range(self.max_k + 1), key=lambda k: scores[k])
+        best = self._best([self.goodput(batch_size, k) for k in range(self.max_k + 1)])
+        return self.max_k if best is None else best
 
     def choose(self, batch_size: int) -> int:
         """k for the next decode step of ``batch_size`` sequences (0 = do not speculate)."""
@@ -149,8 +168,9 @@ class AdaptiveSpeculation:
             if bucket.arms[k].time_per_seq_s is None:
                 return self._start_explore(bucket, k)
         scores = {k: self.goodput(batch_size, k) for k in range(self.max_k + 1)}
-        best = max(scores, key=lambda k: scores[k])
-        if bucket.steps % self.explore_interval == self.explore_interval - 1:
+        best = self._best([scores[k] for k in range(self.max_k + 1)])
+        # k = 0 is not left to explore: by then the draft has fallen behind the running sequences
+        if best > 0 and bucket.steps % self.explore_interval == self.explore_interval - 1:
             others = sorted((k for k in scores if k != best), key=lambda k: -scores[k])
             if others and scores[others[0]] >= self.explore_margin * scores[best]:
                 return self._start_explore(bucket, others[0])   # the runner-up might be the best
