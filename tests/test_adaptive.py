@@ -58,7 +58,7 @@ def test_converges_to_the_best_k(batch, alpha):
     chosen = ctrl.choose(batch)
     # speculation must beat k = 0 by min_gain: a k > 0 only slightly better may be passed over
     assert scores[chosen] >= 0.95 * scores[best] / ctrl.min_gain, (chosen, best, scores)
-    if scores[best] > 1.3 * scores[0]:
+    if scores[best] > 1.15 * ctrl.min_gain * scores[0]:  # clearly above the bar
         assert chosen > 0
     if scores[0] == scores[best]:
         assert chosen == 0

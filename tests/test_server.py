@@ -398,3 +398,13 @@ def test_disconnects_abort_and_free_pages(server, offline):
     assert server.all_pages_free()
     metrics = httpx.get(server.base_url + "/metrics").text
     assert float(re.search(r"^specserve_num_requests_running (\S+)", metrics, re.M).group(1)) == 0
+
+
+def test_non_streamed_client_timeout_aborts(server):
+    """A non-streamed request whose client gives up (read timeout closes the connection) is aborted."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", timeout=httpx.Timeout(10.0, read=0.5),
+                   json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+                         "ignore_eos": True})
+    server.wait_idle(timeout=3)   # generating 400 tokens takes far longer than this
+    assert server.all_pages_free()
