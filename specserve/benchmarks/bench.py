@@ -149,12 +149,13 @@ def _engine_args(args: argparse.Namespace, speculative_config: dict | None = Non
 
 def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list[list[int]],
                       baseline: dict) -> list[dict]:
-    """Draft-target speculation at each k of ``--spec-ks``, one engine, same prompts as ``baseline``."""
+    """Draft-target speculation at each k of ``--spec-ks``, one engine, same prompts as ``baseline``.
+    k is fixed for each run (adaptive speculation off): the table is speed as a function of k."""
     from specserve.engine.engine import LLMEngine
     from specserve.metrics import SpecDecodeStats
 
     ks = [int(k) for k in args.spec_ks.split(",") if k.strip()]
-    engine = LLMEngine(_engine_args(args, dict(spec_cfg, num_speculative_tokens=ks[0])))
+    engine = LLMEngine(_engine_args(args, dict(spec_cfg, num_speculative_tokens=ks[0], adaptive=False)))
     runs = []
     for k in ks:
         engine.spec_config.num_speculative_tokens = k  # read at every step

@@ -413,6 +413,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            pos = first.get("loc", (None, None))[-1]
+            return error_response(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')}"
+                                       f" at character {pos})")
         loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
         value = first.get("input")
         shown = repr(value)[:120] if not isinstance(value, dict) else "an object"
