@@ -259,6 +259,8 @@ def test_bad_chat_requests_are_400(server):
         _error(resp)
     resp = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=60)
     assert resp.status_code == 400 and "not valid JSON" in _error(resp)["message"]
+    resp = httpx.post(url, content=b'{"model": "x", "messages": []}', timeout=60)  # no Content-Type
+    assert resp.status_code == 400 and "Content-Type: application/json" in _error(resp)["message"]
 
 
 def test_unknown_model_is_404(server):

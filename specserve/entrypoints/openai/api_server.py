@@ -413,6 +413,9 @@ def build_app(state: ServerState) -> FastAPI:
     async def _validation_error(_: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
+        if tuple(first.get("loc", ())) == ("body",) and isinstance(first.get("input"), (bytes, str)):
+            return error_response(400, "the request body must be a JSON object sent with "
+                                       "'Content-Type: application/json'")
         if first.get("type") == "json_invalid":
             pos = first.get("loc", (None, None))[-1]
             return error_response(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')}"
