@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 @dataclass
 class _Arm:
     time_per_seq_s: float | None = None   # EMA of step time / batch size, seconds
-    measured_at: int = -1                  # the bucket's step count when last measured
 
 
 @dataclass
@@ -216,7 +215,6 @@ class AdaptiveSpeculation:
         per_seq = step_time_s / max(batch_size, 1)
         arm.time_per_seq_s = per_seq if arm.time_per_seq_s is None else (
             (1 - self.ema) * arm.time_per_seq_s + self.ema * per_seq)
-        arm.measured_at = bucket.steps
 
     def observe_acceptance(self, observations: list[tuple[int, int]]) -> None:
         """Record one verify step: ``(num_draft_tokens, num_accepted)`` for each sequence."""

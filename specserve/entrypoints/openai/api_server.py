@@ -68,6 +68,7 @@ class _Prompt:
 class _ChoiceState:
     sent_text: int = 0
     sent_tokens: int = 0
+    token_text_offset: int = 0   # characters of the token texts already sent (completion text_offset)
     started: bool = False
     finished: bool = False
 
@@ -206,11 +207,12 @@ def _token_text(state: ServerState, token_id: int) -> str:
     return state.tokenizer.decode([token_id])
 
 
-def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int) -> dict | None:
+def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int,
+                         offset: int = 0) -> dict | None:
+    """Logprobs of tokens ``start:end``; ``offset``: characters of the token texts before ``start``."""
     if c.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
-    offset = sum(len(_token_text(state, t)) for t in c.token_ids[:start]) if start else 0
     for tid, entry in zip(c.token_ids[start:end], c.logprobs[start:end]):
         s = _token_text(state, tid)
         tokens.append(s)
@@ -221,7 +223,7 @@ def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, en
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int) -> dict | None:
+def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int, offset: int = 0) -> dict | None:
     if c.logprobs is None:
         return None
     content = []
@@ -298,9 +300,9 @@ class _Generation:
         for s in self.streams:
             s.abort()
 
-    def _logprobs(self, c: CompletionOutput, start: int, end: int) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, start: int, end: int, offset: int = 0) -> dict | None:
         fn = _chat_logprobs if self.kind == "chat" else _completion_logprobs
-        return fn(self.state, c, start, end)
+        return fn(self.state, c, start, end, offset)
 
     async def full(self) -> dict:
         finals: list[RequestOutput | None] = [None] * len(self.prompts)
@@ -345,7 +347,10 @@ class _Generation:
                     finished = c.finish_reason is not None
                     if not delta_text and end == st.sent_tokens and not finished:
                         continue
-                    choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs(c, st.sent_tokens, end),
+                    logprobs = self._logprobs(c, st.sent_tokens, end, st.token_text_offset)
+                    if logprobs is not None and "tokens" in logprobs:
+                        st.token_text_offset += sum(len(t) for t in logprobs["tokens"])
+                    choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                               "finish_reason": c.finish_reason,
                                               "stop_reason": c.stop_reason if finished else None}
                     if self.kind == "chat":
