@@ -109,5 +109,6 @@ class SamplingParams:
 
     @property
     def effective_top_k(self) -> int:
-        """top_k with both disabled spellings (0, -1) mapped to 0."""
-        return max(self.top_k, 0)
+        """top_k with both disabled spellings (0, -1) mapped to 0; a k at or past any vocabulary
+        (capped at 2**31 - 1 so it fits an int64 tensor) keeps every token."""
+        return min(max(self.top_k, 0), 2**31 - 1)

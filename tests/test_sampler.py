@@ -52,7 +52,7 @@ def test_top_k_ties_at_boundary_keep_all_equal_values():
     assert kept(out) == [1, 2, 3]
 
 
-@pytest.mark.parametrize("top_k", [0, -1, 5, 100])
+@pytest.mark.parametrize("top_k", [0, -1, 5, 100, 2**63, 10**30])  # past int64: found by the server fuzz
 def test_top_k_disabled_or_larger_than_vocab_keeps_all(top_k):
     logits = row([1.0, 3.0, 2.0, 0.5, 2.5])
     assert torch.equal(apply_top_k_top_p(logits, md_for(SamplingParams(top_k=top_k))), logits)
