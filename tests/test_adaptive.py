@@ -120,12 +120,52 @@ def test_engine_greedy_exact_with_adaptive_k(tiny_qwen2_dir, tmp_path):
 
 def test_larger_batches_inherit_speculation_off():
     """Once a batch size has measured k = 0 as best, larger unmeasured ones start with k = 0 and the
-    draft does not follow their prompts (preferred_k 0); smaller ones are unaffected."""
+    draft does not follow their prompts; smaller unmeasured ones still do, so they get measured."""
     ctrl = AdaptiveSpeculation(2)
     for _ in range(4):
         ctrl.observe_step(16, 0, 1.0)
         ctrl.observe_step(16, 2, 3.5)     # per sequence: 3.5x the time for ~2.2x the tokens
-    assert ctrl.preferred_k(16) == 0
-    assert ctrl.choose(64) == 0 and ctrl.preferred_k(64) == 0 and ctrl.preferred_k(40) == 0
-    assert ctrl.preferred_k(1) == 2        # unmeasured and smaller: still worth measuring
+    assert ctrl.saving_per_token(16) == 0.0 and ctrl.saving_per_token(64) == 0.0
+    assert not ctrl.worth_following(16, 1000, 1) and not ctrl.worth_following(40, 1000, 1)
+    assert ctrl.choose(64) == 0
+    assert ctrl.saving_per_token(1) is None and ctrl.worth_following(1, 10, 1000)
     assert ctrl.choose(1) in (0, 2)
+
+
+def test_draft_follows_a_prompt_only_when_its_prefill_is_repaid():
+    """Hand-computed: batch 1, a plain step 1.0 s, a k = 2 step 1.2 s, no acceptance measured (the
+    prior 0.6 per draft): E(2) = 1 + 0.6 + 0.36 = 1.96 tokens, so a token costs 1.0 s without
+    speculation and 1.2 / 1.96 s with it: a saving of 1 - 1.2/1.96 = 0.387755 s per token. The draft
+    prefilled 100 tokens in 2.0 s: a 200-token prompt costs 4.0 s, repaid by 11 tokens, not by 10."""
+    ctrl = AdaptiveSpeculation(2)
+    ctrl.observe_step(1, 0, 1.0)
+    ctrl.observe_step(1, 2, 1.2)
+    assert ctrl.saving_per_token(1) == pytest.approx(1 - 1.2 / 1.96)
+    assert ctrl.worth_following(1, 11, 200)        # before any prefill is measured: cost 0
+    ctrl.observe_draft_prefill(100, 2.0)
+    assert ctrl.draft_prefill_s_per_token == pytest.approx(0.02)
+    assert ctrl.worth_following(1, 11, 200) and not ctrl.worth_following(1, 10, 200)
+    # batch 4 unmeasured: batch 1's saving is its upper bound
+    assert ctrl.saving_per_token(4) == pytest.approx(1 - 1.2 / 1.96)
+    ctrl.observe_draft_prefill(100, 4.0)           # EMA 0.3: 0.7 * 0.02 + 0.3 * 0.04 = 0.026 s/token
+    assert ctrl.draft_prefill_s_per_token == pytest.approx(0.026)
+
+
+def test_engine_draft_skips_prompts_speculation_would_not_repay(tiny_qwen2_dir, tmp_path):
+    """With k = 0 measured best at batch 1, the draft prefills no prompt and drafts nothing; the
+    output is the target's own."""
+    draft = tmp_path / "draft"
+    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(tiny_qwen2_dir).generate(prompts, params)
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
+                                                   "num_speculative_tokens": 2})
+    ctrl = spec.llm_engine.spec_controller
+    for b in (1, 2):
+        ctrl.observe_step(b, 0, 1.0 * b)
+        ctrl.observe_step(b, 2, 5.0 * b)
+    out = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert spec.llm_engine.spec_stats.num_draft_tokens == 0
+    assert ctrl.draft_prefill_s_per_token is None  # the draft never prefilled

@@ -220,14 +220,20 @@ class LLMEngine:
             if self.spec_controller is not None:
                 self.spec_controller.observe_step(len(reqs), k, time.perf_counter() - t0, steady)
         else:
-            # a prefill or mixed step: the draft follows along while speculation is wanted, so
-            # new prompts are ready to speculate on; otherwise it stays idle
+            # a prefill or mixed step: the draft follows a prompt only where speculating on it
+            # later is expected to repay the draft's prefill
             follow = []
-            if self.proposer is not None and self._speculation_wanted(len(self.scheduler.running)):
-                follow = [s.request for s in sched.scheduled if self._draft_keeps_up(s.request)]
+            if self.proposer is not None:
+                follow = [s.request for s in sched.scheduled if self._draft_should_follow(s.request)]
             advanced = self._sampling_step(sched)
+            follow = [r for r in follow if not r.is_finished]
             if follow:
-                self.proposer.catch_up([r for r in follow if not r.is_finished])
+                t_draft = time.perf_counter()
+                before = sum(self.proposer.num_computed_tokens(r) for r in follow)
+                self.proposer.catch_up(follow)
+                if self.spec_controller is not None:
+                    done = sum(self.proposer.num_computed_tokens(r) for r in follow) - before
+                    self.spec_controller.observe_draft_prefill(done, time.perf_counter() - t_draft)
         self.last_step_stats = StepStats(
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting), len(sched.preempted),
             self.block_manager.usage, k, self._step_acceptance, time.perf_counter() - t0)
@@ -251,8 +257,19 @@ class LLMEngine:
             self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
         return reqs
 
-    def _speculation_wanted(self, batch_size: int) -> bool:
-        return self.spec_controller is None or self.spec_controller.preferred_k(batch_size) > 0
+    def _draft_should_follow(self, req: Request) -> bool:
+        """Whether the draft prefills along with ``req`` in this prefill/mixed step: it must not
+        have fallen behind, and the controller must expect speculation to repay the prefill."""
+        if not self._draft_keeps_up(req):
+            return False
+        if self.spec_controller is None:
+            return True
+        batch_size = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.config.max_num_seqs)
+        remaining = self.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            remaining = min(remaining, req.params.max_tokens - len(req.output_token_ids))
+        todo = req.num_tokens - self.proposer.num_computed_tokens(req)
+        return self.spec_controller.worth_following(batch_size, remaining, todo)
 
     def _draft_keeps_up(self, req: Request) -> bool:
         """Whether the proposer is close enough behind ``req``'s computed tokens to catch up in a
@@ -277,8 +294,9 @@ class LLMEngine:
         eligible = [self._draft_keeps_up(r) for r in reqs]
         caught_up = self.proposer.catch_up([r for r, e in zip(reqs, eligible) if e])
         ks = [self._num_draft_tokens(r, k) if e else 0 for r, e in zip(reqs, eligible)]
-        # a step timed as k's cost: some sequence drafted, after no more catch-up than usual
-        steady = caught_up <= 2 and any(ks)
+        # a step timed as k's cost: every sequence could draft and some did, after no more
+        # catch-up than usual (a step where only some draft would look cheaper than k costs)
+        steady = caught_up <= 2 and all(eligible) and any(ks)
         proposal = self.proposer.propose(reqs, ks)
         drafts = proposal.draft_token_ids.tolist()
         t1 = time.perf_counter()

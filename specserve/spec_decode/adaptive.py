@@ -15,9 +15,13 @@ A k never measured in a bucket is estimated by linear interpolation in k between
 before any measurement the bucket tries k = 0 and the configured maximum first. Every
 ``explore_interval`` steps the runner-up is measured again when its estimate comes within
 ``explore_margin`` of the bar it must clear, so estimates follow a growing context. Speculation
-must beat k = 0 by ``min_gain`` (1.3). Where k = 0 wins by a wide margin nothing else is tried:
-the draft falls behind the running sequences, and catching up would cost a draft prefill of the
-whole batch (the engine leaves such sequences to decode without speculation).
+must beat k = 0 by ``min_gain`` (1.3).
+
+The draft's prefill of each new prompt is not part of a decode step, yet it is the largest cost
+of speculating in a busy server (for a 0.5B draft of a 1.5B target, a third of the target's own
+prefill). :meth:`worth_following` lets the draft prefill a prompt only when the request's
+remaining tokens times the measured per-token saving repay the measured prefill cost. A sequence
+the draft did not follow decodes without speculation: catching up later would be that prefill.
 
 Steps whose cost is not k's own (the draft catching up over a whole prompt, or over the tokens
 decoded while speculation was off) are counted but not timed: the engine passes ``steady=False``.
@@ -53,9 +57,8 @@ class AdaptiveSpeculation:
         explore_margin: the runner-up is re-measured only if its estimated goodput is at least this
             fraction of the best one's.
         min_gain: speculation runs only where its estimated goodput beats no speculation's by this
-            factor. The per-step estimates leave out the draft's prefill of every prompt (about a
-            third of the target's for a 0.5B draft of a 1.5B target) and measurement noise; at
-            1.1 a serving benchmark at concurrency 4 ran 10% slower with speculation than without.
+            factor, a margin for measurement noise (the draft's prompt prefill is weighed on its
+            own, per request, by :meth:`worth_following`).
         prior_acceptance: assumed per-draft acceptance before any is measured.
     """
 
@@ -70,6 +73,7 @@ class AdaptiveSpeculation:
     _accepted: list[float] = field(default_factory=list)   # [max_k] decayed count: first j+1 drafts accepted
     _drafted: list[float] = field(default_factory=list)    # [max_k] decayed count: j+1 drafts proposed
     chosen_counts: list[int] = field(default_factory=list)  # [max_k + 1] decode steps run with each k
+    draft_prefill_s_per_token: float | None = None          # EMA of the draft's prompt prefill cost
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -151,18 +155,48 @@ class AdaptiveSpeculation:
                 return best == 0
         return False
 
-    def preferred_k(self, batch_size: int) -> int:
-        """The k the estimates favour for ``batch_size`` now, without exploring (the configured
-        maximum while unmeasured). The engine lets the draft follow new prompts only when > 0."""
-        if self._presumed_off(batch_size):
-            return 0
-        scores = [self.goodput(batch_size, k) for k in range(self.max_k + 1)]
-        best = self._best(scores)
-        if best is None:
-            return self.max_k
-        if best == 0:  # close to the bar: keep the draft following, so k > 0 can be measured again
-            return self._runner_up(dict(enumerate(scores)), 0) or 0
-        return best
+    def saving_per_token(self, batch_size: int) -> float | None:
+        """Estimated wall seconds a sequence saves per generated token by speculating at
+        ``batch_size`` with the best k, against k = 0: ``1/goodput(0) - 1/goodput(best)``; 0 where
+        k = 0 is best. An unmeasured batch size takes the figure of the nearest smaller measured
+        one (an upper bound: verification only gets dearer as the batch grows). None when no batch
+        size at or below this one has measured both k = 0 and the maximum k."""
+        b = self.bucket_of(batch_size)
+        for bucket in sorted((x for x in self._buckets if x <= b), reverse=True):
+            scores = self._bucket_scores(bucket)
+            best = self._best(scores)
+            if best is not None:
+                return 0.0 if best == 0 else 1.0 / scores[0] - 1.0 / scores[best]
+        return None
+
+    def worth_following(self, batch_size: int, remaining_tokens: int, num_prompt_tokens: int) -> bool:
+        """Whether the draft should prefill a new prompt, so the sequence can speculate later.
+
+        The draft's prefill is paid now, in full, by every running sequence; speculation pays back
+        ``saving_per_token`` on each of the ``remaining_tokens`` the sequence may still generate.
+        The draft follows when the expected saving exceeds the measured prefill cost, and always
+        while nothing is measured yet (speculation must be measured somewhere).
+
+        Args:
+            batch_size: the number of sequences the request will decode alongside (itself included).
+            remaining_tokens: tokens the request may still generate (max_tokens minus its output).
+            num_prompt_tokens: tokens the draft would have to prefill.
+        """
+        saving = self.saving_per_token(batch_size)
+        if saving is None:
+            return True
+        if saving <= 0.0:
+            return False
+        cost = (self.draft_prefill_s_per_token or 0.0) * num_prompt_tokens
+        return remaining_tokens * saving > cost
+
+    def observe_draft_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Record the wall time of the draft prefilling ``num_tokens`` prompt tokens."""
+        if num_tokens <= 0:
+            return
+        per_token = seconds / num_tokens
+        prev = self.draft_prefill_s_per_token
+        self.draft_prefill_s_per_token = per_token if prev is None else (1 - self.ema) * prev + self.ema * per_token
 
     def choose(self, batch_size: int) -> int:
         """k for the next decode step of ``batch_size`` sequences (0 = do not speculate)."""
