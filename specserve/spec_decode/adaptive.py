@@ -15,7 +15,7 @@ A k never measured in a bucket is estimated by linear interpolation in k between
 before any measurement the bucket tries k = 0 and the configured maximum first. Every
 ``explore_interval`` steps the runner-up is measured again when its estimate comes within
 ``explore_margin`` of the bar it must clear, so estimates follow a growing context. Speculation
-must beat k = 0 by ``min_gain`` (1.3).
+must beat k = 0 by ``min_gain`` (1.15).
 
 The draft's prefill of each new prompt is not part of a decode step, yet it is the largest cost
 of speculating in a busy server (for a 0.5B draft of a 1.5B target, a third of the target's own
@@ -58,7 +58,9 @@ class AdaptiveSpeculation:
             fraction of the best one's.
         min_gain: speculation runs only where its estimated goodput beats no speculation's by this
             factor, a margin for measurement noise (the draft's prompt prefill is weighed on its
-            own, per request, by :meth:`worth_following`).
+            own, per request, by :meth:`worth_following`). At 1.3 a batch-1 server flipped
+            speculation off and on as single k = 2 steps measured 0.42-0.55 s (1.5B target, 0.5B
+            draft, 2-core CPU) and lost its gain.
         prior_acceptance: assumed per-draft acceptance before any is measured.
     """
 
@@ -67,7 +69,7 @@ class AdaptiveSpeculation:
     decay: float = 0.98
     explore_interval: int = 16
     explore_margin: float = 0.9
-    min_gain: float = 1.3
+    min_gain: float = 1.15
     prior_acceptance: float = 0.6
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     _accepted: list[float] = field(default_factory=list)   # [max_k] decayed count: first j+1 drafts accepted
