@@ -169,3 +169,19 @@ def test_engine_draft_skips_prompts_speculation_would_not_repay(tiny_qwen2_dir, 
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert spec.llm_engine.spec_stats.num_draft_tokens == 0
     assert ctrl.draft_prefill_s_per_token is None  # the draft never prefilled
+
+
+def test_unmeasurable_speculation_is_not_explored():
+    """While the draft does not follow every sequence of the batch, a k > 0 step could not be timed
+    as k's cost: an unmeasured k > 0 is not tried (k = 0 runs), and a pending exploration of it is
+    dropped; once every sequence can draft, it is measured."""
+    ctrl = AdaptiveSpeculation(2)
+    assert ctrl.choose(16, all_can_draft=False) == 0          # k = 0 is measured first anyway
+    ctrl.observe_step(16, 0, 1.0)
+    ctrl.observe_step(16, 0, 1.0)
+    for _ in range(5):
+        assert ctrl.choose(16, all_can_draft=False) == 0
+        ctrl.observe_step(16, 0, 1.0)
+    assert ctrl.choose(16, all_can_draft=True) == 2           # now measurable: explored
+    assert ctrl.choose(16, all_can_draft=False) == 0          # the draft lost a sequence: dropped
+    assert ctrl._bucket(16).explore is None

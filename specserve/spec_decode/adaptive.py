@@ -200,21 +200,28 @@ class AdaptiveSpeculation:
         prev = self.draft_prefill_s_per_token
         self.draft_prefill_s_per_token = per_token if prev is None else (1 - self.ema) * prev + self.ema * per_token
 
-    def choose(self, batch_size: int) -> int:
-        """k for the next decode step of ``batch_size`` sequences (0 = do not speculate)."""
+    def choose(self, batch_size: int, all_can_draft: bool = True) -> int:
+        """k for the next decode step of ``batch_size`` sequences (0 = do not speculate).
+
+        ``all_can_draft=False``: the draft does not follow some of the sequences, so a step with
+        k > 0 could not be timed as k's cost; an unmeasured k > 0 is then not explored (the step
+        runs with k = 0) rather than explored forever without a measurement.
+        """
         bucket = self._bucket(batch_size)
         if bucket.explore is not None and bucket.explore_left > 0:
-            return bucket.explore
+            if bucket.explore == 0 or all_can_draft:
+                return bucket.explore
+            bucket.explore, bucket.explore_left = None, 0
         if self._presumed_off(batch_size):
             return 0
         for k in (0, self.max_k):  # the two ends first: every other k can then be interpolated
             if bucket.arms[k].time_per_seq_s is None:
-                return self._start_explore(bucket, k)
+                return self._start_explore(bucket, k) if k == 0 or all_can_draft else 0
         scores = {k: self.goodput(batch_size, k) for k in range(self.max_k + 1)}
         best = self._best([scores[k] for k in range(self.max_k + 1)])
         if bucket.steps % self.explore_interval == self.explore_interval - 1:
             runner_up = self._runner_up(scores, best)
-            if runner_up is not None:
+            if runner_up is not None and (runner_up == 0 or all_can_draft):
                 return self._start_explore(bucket, runner_up)
         return best
 
