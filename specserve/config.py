@@ -99,6 +99,7 @@ class SpeculativeMethod(str, enum.Enum):
     """Names of the speculation methods (``speculative_config["method"]``)."""
 
     DRAFT_MODEL = "draft_model"
+    MTP = "mtp"
 
 
 SPECULATIVE_METHODS = tuple(m.value for m in SpeculativeMethod)
@@ -109,8 +110,10 @@ class SpeculativeConfig:
     """``speculative_config`` of ``LLM(...)`` (vLLM's spelling).
 
     Attributes:
-        method: ``"draft_model"`` (a separate small LLM drafts; Leviathan et al. 2023).
-        model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id.
+        method: ``"draft_model"`` (a separate small LLM drafts; Leviathan et al. 2023) or
+            ``"mtp"`` (a one-layer EAGLE / MTP head drafts a chain from the target's hidden states).
+        model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id; for ``"mtp"`` a
+            head checkpoint folder (see :mod:`specserve.models.draft_head`).
         num_speculative_tokens: k, draft tokens proposed per step (>= 1).
         draft_quantization: ``None`` (float, like the target) or ``"int8"`` (dynamic int8 linears:
             a cheaper draft; output stays exact because the target verifies every token).
@@ -133,8 +136,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.draft_quantization not in (None, "int8"):
             raise ValueError(f"draft_quantization must be None or 'int8', got {self.draft_quantization!r}")
-        if self.method == SpeculativeMethod.DRAFT_MODEL and not self.model:
-            raise ValueError("speculative method 'draft_model' needs a draft 'model'")
+        if not self.model:
+            raise ValueError(f"speculative method {getattr(self.method, 'value', self.method)!r} needs a draft 'model'")
 
     @classmethod
     def from_dict(cls, d: "dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":

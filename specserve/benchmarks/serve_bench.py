@@ -154,7 +154,7 @@ def _draft_config(args: argparse.Namespace) -> dict | None:
 # engine flags passed to the server as given (those the CLI does not define are skipped)
 SERVER_FLAGS = ("model", "dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_gb", "num_blocks")
-DRAFT_FLAGS = ("speculative_model", "num_speculative_tokens", "draft_quantization", "no_adaptive_speculation")
+DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_tokens", "draft_quantization", "no_adaptive_speculation")
 ENGINE_FLAGS = SERVER_FLAGS + DRAFT_FLAGS
 BENCH_FLAGS = ("concurrency", "num_requests", "max_tokens", "port", "modes", "server_timeout", "base_url",
                "json", "plot")

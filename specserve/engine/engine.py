@@ -86,6 +86,9 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         weights = {k: v.to(device=args.device, dtype=dtype) for k, v in loaded.weights.items()}
         self.model = LlamaForCausalLM(self.model_config, weights).eval()
+        # plain [V, H] tensors for heads that share them (the model's lm_head may be prepacked)
+        self.target_embedding = weights["model.embed_tokens.weight"]
+        self.target_lm_head = weights.get("lm_head.weight", self.target_embedding)
         cfg = self.model_config
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if args.num_blocks is None:
@@ -115,6 +118,8 @@ class LLMEngine:
             self.proposer = build_proposer(self, loaded_draft)
             if self.spec_config.adaptive:
                 self.spec_controller = AdaptiveSpeculation(self.spec_config.num_speculative_tokens)
+        if not self._proposer_reads_hidden:
+            self.target_lm_head = None   # only heads need the unpacked copy
         self.requests: dict[str, list[Request]] = {}
         self.last_step_stats: StepStats | None = None
         self._step_acceptance: list[tuple[int, int]] = []
@@ -211,7 +216,11 @@ class LLMEngine:
         k = None
         if self.proposer is not None and sched.is_decode_only:
             reqs = [s.request for s in sched.scheduled]
-            k = self.spec_controller.choose(len(reqs)) if self.spec_controller is not None else k_max
+            if self.spec_controller is not None:
+                all_can_draft = all(self._draft_keeps_up(r) for r in reqs)
+                k = self.spec_controller.choose(len(reqs), all_can_draft)
+            else:
+                k = k_max
             steady = True
             if k > 0:
                 advanced, steady = self._speculative_step(reqs, k)
@@ -244,6 +253,10 @@ class LLMEngine:
         inputs = [ModelInput(s.token_ids, s.context_len, self.block_manager.block_table(s.request.seq_id))
                   for s in sched.scheduled]
         fwd = self.runner.forward(inputs)
+        if self._proposer_reads_hidden:
+            for s, last in zip(sched.scheduled, fwd.last_rows):
+                n = s.num_new_tokens
+                self.proposer.observe_target_hidden_states(s.request, s.context_len, fwd.hidden_states[last - n + 1:last + 1])
         sampling = [(s.request, row) for s, row in zip(sched.scheduled, fwd.last_rows) if s.samples]
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
@@ -257,12 +270,17 @@ class LLMEngine:
             self.append_token(req, tokens[i], self._logprob_entry(out, i, req))
         return reqs
 
+    @property
+    def _proposer_reads_hidden(self) -> bool:
+        return self.proposer is not None and self.proposer.uses_target_hidden_states
+
     def _draft_should_follow(self, req: Request) -> bool:
         """Whether the draft prefills along with ``req`` in this prefill/mixed step: it must not
-        have fallen behind, and the controller must expect speculation to repay the prefill."""
+        have fallen behind, and the controller must expect speculation to repay the prefill
+        (always, for a proposer whose catch-up is cheap: a one-layer head)."""
         if not self._draft_keeps_up(req):
             return False
-        if self.spec_controller is None:
+        if self.spec_controller is None or self.proposer.cheap_catch_up:
             return True
         batch_size = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.config.max_num_seqs)
         remaining = self.max_model_len - req.num_tokens
@@ -275,6 +293,8 @@ class LLMEngine:
         """Whether the proposer is close enough behind ``req``'s computed tokens to catch up in a
         step. A sequence it fell far behind (speculation was off for it a while) is left to decode
         without speculation: catching up would cost a draft prefill."""
+        if self.proposer.cheap_catch_up:
+            return True
         lag = req.num_computed_tokens - self.proposer.num_computed_tokens(req)
         return lag <= 4 * (self.num_speculative_tokens + 1)
 
@@ -296,7 +316,7 @@ class LLMEngine:
         ks = [self._num_draft_tokens(r, k) if e else 0 for r, e in zip(reqs, eligible)]
         # a step timed as k's cost: every sequence could draft and some did, after no more
         # catch-up than usual (a step where only some draft would look cheaper than k costs)
-        steady = caught_up <= 2 and all(eligible) and any(ks)
+        steady = caught_up <= self.proposer.steady_catch_up(k) and all(eligible) and any(ks)
         proposal = self.proposer.propose(reqs, ks)
         drafts = proposal.draft_token_ids.tolist()
         t1 = time.perf_counter()
@@ -327,6 +347,9 @@ class LLMEngine:
         t2 = time.perf_counter()
         for i, r in enumerate(reqs):
             m = result.num_accepted[i]
+            if self._proposer_reads_hidden:  # the newest token and the accepted drafts
+                self.proposer.observe_target_hidden_states(r, r.num_computed_tokens,
+                                                           fwd.hidden_states[starts[i]:starts[i] + m + 1])
             r.num_computed_tokens += 1 + m  # newest token + accepted drafts now have valid KV
             r.spec_stats.observe(ks[i], m)
             self.spec_stats.observe(ks[i], m)

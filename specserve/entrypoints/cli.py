@@ -1,8 +1,9 @@
-"""``specserve`` command line: ``generate`` (streamed text), ``bench`` and ``bench-serve``."""
+"""``specserve`` command line: ``generate``, ``serve``, ``bench``, ``bench-serve``, ``train-head``, ``eval-head``."""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from specserve.engine.engine import DEFAULT_MODEL
 
@@ -18,6 +19,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--speculative-model", default=None,
                    help=f"draft model (default: {DEFAULT_DRAFT} when --model is the default target)")
+    p.add_argument("--speculative-method", choices=["draft_model", "mtp"], default=None,
+                   help="draft_model (a small LLM) or mtp (a trained EAGLE / MTP head); default: mtp when "
+                        "--speculative-model is a head folder or a shipped head's name, else draft_model")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per step, k (default: %(default)s)")
     p.add_argument("--draft-quantization", choices=["int8"], default=None,
@@ -34,6 +38,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory-gb)")
 
 
+def is_head(name: str) -> bool:
+    """Whether ``name`` is a draft head (a shipped head, or a folder whose config.json is one)."""
+    import json
+    from pathlib import Path
+
+    from specserve.models.registry import builtin_heads
+
+    if name in builtin_heads():
+        return True
+    cfg = Path(name).expanduser() / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        d = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    return "specserve_head" in d or any(str(a).endswith(("Eagle", "MTP")) for a in d.get("architectures", []))
+
+
 def speculative_config(args: argparse.Namespace) -> dict | None:
     """The draft-model config the flags ask for, or None without speculation."""
     draft = args.speculative_model
@@ -41,7 +64,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         draft = DEFAULT_DRAFT
     if args.no_speculation or draft is None:
         return None
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
+    method = args.speculative_method or ("mtp" if is_head(draft) else "draft_model")
+    return {"method": method, "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
             "draft_quantization": args.draft_quantization, "adaptive": not args.no_adaptive_speculation}
 
 
@@ -64,7 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                                       tokenize=False, add_generation_prompt=True)
     engine.add_request("cli", prompt, params)
-    printed = 0
+    printed, num_tokens = 0, 0
+    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         for out in engine.step():
             text = out.outputs[0].text
@@ -73,7 +98,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(text[printed:])
             sys.stdout.flush()
             printed = max(printed, len(text))
+            num_tokens = len(out.outputs[0].token_ids)
     sys.stdout.write("\n")
+    seconds = time.perf_counter() - t0
+    summary = f"{num_tokens} tokens in {seconds:.1f} s ({num_tokens / seconds:.2f} tokens/s, prefill included)"
+    st = engine.spec_stats
+    if engine.proposer is not None:
+        method = getattr(engine.spec_config.method, "value", engine.spec_config.method)
+        if st.num_verify_steps:
+            summary += (f"; {method} speculation: {st.num_accepted_tokens}/{st.num_draft_tokens} drafts accepted, "
+                        f"mean acceptance length {st.mean_acceptance_length:.2f}")
+        else:
+            summary += f"; {method} speculation: no speculative step ran"
+    print(summary, file=sys.stderr)
     return 0
 
 
@@ -90,6 +127,16 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from specserve.entrypoints.openai.api_server import run_server
     return run_server(args)
+
+
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from specserve.training.commands import run_train_head
+    return run_train_head(args)
+
+
+def cmd_eval_head(args: argparse.Namespace) -> int:
+    from specserve.training.commands import run_eval_head
+    return run_eval_head(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.benchmarks.serve_bench import add_serve_bench_args
     add_serve_bench_args(bs)
     bs.set_defaults(func=cmd_bench_serve)
+
+    from specserve.training.commands import add_eval_head_args, add_train_head_args
+    th = sub.add_parser("train-head", help="train an EAGLE / MTP draft head on the target's precomputed hidden "
+                                           "states (torchrun for several processes)")
+    add_train_head_args(th)
+    th.set_defaults(func=cmd_train_head)
+    eh = sub.add_parser("eval-head", help="a head's acceptance through the engine's speculative path, and its "
+                                          "validation loss")
+    add_eval_head_args(eh)
+    eh.set_defaults(func=cmd_eval_head)
     return parser
 
 

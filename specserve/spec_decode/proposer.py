@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Request
+from specserve.engine.request import Request, sampling_metadata
+from specserve.sample.sampler import compute_probs, draw
 
 
 @dataclass
@@ -28,7 +29,25 @@ class DraftProposal:
 
 
 class Proposer(ABC):
-    """Proposes draft tokens for sequences whose prompt is fully computed."""
+    """Proposes draft tokens for sequences whose prompt is fully computed.
+
+    Class attributes: ``uses_target_hidden_states`` (the engine calls
+    :meth:`observe_target_hidden_states` after every target forward) and ``cheap_catch_up``
+    (catching up over a whole prompt costs little, so the engine lets the proposer follow every
+    prompt and never leaves a sequence behind).
+    """
+
+    uses_target_hidden_states: bool = False
+    cheap_catch_up: bool = False
+
+    def steady_catch_up(self, k: int) -> int:
+        """The most tokens a catch-up covers in steady speculation at k drafts (a larger one is a
+        backlog, and the step's time is not k's cost): the bonus/recovered token and the last draft."""
+        return 2
+
+    def observe_target_hidden_states(self, req: Request, first_position: int, hidden: torch.Tensor) -> None:
+        """The target computed ``req``'s positions ``first_position ...``: their final hidden
+        states ``hidden [n, H]`` (only called when ``uses_target_hidden_states``)."""
 
     @abstractmethod
     def num_computed_tokens(self, req: Request) -> int:
@@ -54,3 +73,54 @@ class Proposer(ABC):
     @abstractmethod
     def reset(self, req: Request) -> None:
         """Forget ``req``'s state (it finished, was aborted or preempted)."""
+
+
+
+class ChainProposer(Proposer):
+    """A proposer that drafts a chain one token at a time: the first from the logits its catch-up
+    carried (:meth:`_carried_logits`), each later one from one batched step over every sequence
+    still drafting (:meth:`_next_logits`). Subclasses set ``vocab_size`` (the target's)."""
+
+    vocab_size: int
+
+    @abstractmethod
+    def _carried_logits(self, req: Request) -> torch.Tensor:
+        """``[V]`` logits of ``req``'s first draft token, left by the last catch-up."""
+
+    @abstractmethod
+    def _next_logits(self, reqs: list[Request], active: list[int], histories: list[list[int]], j: int) -> torch.Tensor:
+        """``[len(active), V]`` logits of draft j (j >= 1) of ``reqs[i]`` for i in ``active``, whose
+        ``histories[i][-1]`` is draft j-1."""
+
+    def _start_chain(self, reqs: list[Request]) -> None:
+        """Called once before a chain is drafted."""
+
+    def propose(self, reqs: list[Request], num_draft_tokens: list[int]) -> DraftProposal:
+        b, k = len(reqs), max(num_draft_tokens, default=0)
+        draft_ids = torch.zeros(b, k, dtype=torch.int64)
+        draft_probs = torch.zeros(b, k, self.vocab_size, dtype=torch.float32)
+        histories = [list(r.output_token_ids) for r in reqs]
+        self._start_chain(reqs)
+        for j in range(k):
+            active = [i for i in range(b) if num_draft_tokens[i] > j]
+            if j == 0:
+                logits = torch.stack([self._carried_logits(reqs[i]) for i in active])
+            else:
+                logits = self._next_logits(reqs, active, histories, j)
+            draw_draft_tokens(logits, reqs, histories, active, j, draft_ids, draft_probs)
+        return DraftProposal(draft_ids, draft_probs, list(num_draft_tokens))
+
+def draw_draft_tokens(logits: torch.Tensor, reqs: list[Request], histories: list[list[int]], active: list[int],
+                      j: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor) -> None:
+    """Draw draft token j of the ``active`` rows from their draft logits ``[A, V]`` with each
+    request's own sampling parameters (drafts so far count as output for penalties): fills
+    ``draft_ids[active, j]`` and ``draft_probs[active, j]`` (the distribution drawn from) and
+    appends the tokens to ``histories``."""
+    md = sampling_metadata([reqs[i] for i in active], [histories[i] for i in active])
+    q = compute_probs(logits, md)                     # [A, V]
+    tokens = draw(q, md.greedy_mask, md.generators)   # [A]
+    rows = torch.tensor(active, dtype=torch.int64)
+    draft_ids[rows, j] = tokens
+    draft_probs[rows, j] = q
+    for i, t in zip(active, tokens.tolist()):
+        histories[i].append(t)

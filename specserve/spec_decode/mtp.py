@@ -1,0 +1,177 @@
+"""MTP / EAGLE chain speculation: a one-layer head drafts from the target's hidden states.
+
+The head's entry at position p reads the pair (hidden state at p, token at p+1) and predicts the
+hidden state at p+1, which the target's shared lm_head turns into the next draft token
+(:mod:`specserve.models.draft_head`). Per sequence the proposer keeps the head's paged KV (one
+layer, the target's block tables) and the target's hidden states it has not consumed yet, which
+the engine hands over after every target forward (prefill chunks, plain decode, verification).
+
+* ``catch_up`` runs the head over every position whose target hidden state and next token are
+  known: after verification, the accepted positions, **with the target's hidden states** (SEED
+  section 5: the head's KV entries are refilled from the target's features, not from its own
+  drifting ones). The last row gives the logits of the first draft token.
+* ``propose`` drafts a chain: draft j+1 comes from the head fed its own predicted hidden state and
+  draft j. Those KV entries are overwritten by the next catch-up.
+
+Only the head's single layer and the lm_head rows of the draft vocabulary run per draft token, so
+catching up over a whole prompt is cheap and the head always follows the target.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.engine.request import Request
+from specserve.kv_cache.block_manager import BlockManager
+from specserve.kv_cache.kv_cache import KVCache
+from specserve.models.draft_head import DraftHead, PagedKV
+from specserve.spec_decode.proposer import ChainProposer
+
+
+@dataclass
+class _HeadState:
+    num_computed: int = 0                     # positions p whose pair (h_p, x_{p+1}) the head has KV for
+    hidden: list[torch.Tensor] = field(default_factory=list)   # target hidden states from position `first`
+    first: int = 0                            # position of hidden[0] row 0
+    logits: torch.Tensor | None = None        # [V] target-vocab logits of the next first draft token
+    last_hidden: torch.Tensor | None = None   # [H] the head's prediction behind `logits`
+    chain_hidden: torch.Tensor | None = None  # [H] the head's latest prediction while drafting
+
+
+class MTPProposer(ChainProposer):
+    """Args:
+        head: a draft head with the target's embedding and lm_head attached.
+        block_manager: the page pool shared with the target.
+        target_vocab_size: drafts are distributions over the target's vocabulary.
+        device: where the head runs.
+    """
+
+    uses_target_hidden_states = True
+    cheap_catch_up = True
+
+    def __init__(self, head: DraftHead, block_manager: BlockManager, target_vocab_size: int,
+                 device: torch.device | str = "cpu"):
+        self.head = head.eval()
+        self.block_manager = block_manager
+        self.vocab_size = target_vocab_size
+        cfg = head.config
+        dtype = next(head.parameters()).dtype
+        self.kv = KVCache(1, block_manager.num_blocks, block_manager.block_size, cfg.num_key_value_heads,
+                          cfg.head_dim, dtype, device)
+        self.device = device
+        self.max_position = cfg.max_position_embeddings
+        self.states: dict[int, _HeadState] = {}
+
+    def steady_catch_up(self, k: int) -> int:
+        return k + 1   # the refill covers the newest token and every accepted draft
+
+    def _state(self, req: Request) -> _HeadState:
+        return self.states.setdefault(req.seq_id, _HeadState())
+
+    # ------------------------------------------------------------------ target features
+    def observe_target_hidden_states(self, req: Request, first_position: int, hidden: torch.Tensor) -> None:
+        """The target computed positions ``first_position ...`` of ``req``: ``hidden [n, H]``."""
+        st = self._state(req)
+        end = st.first + sum(h.shape[0] for h in st.hidden)
+        if first_position != end:   # a gap or overlap (recompute after preemption): start over here
+            st.hidden, st.first = [], first_position
+        st.hidden.append(hidden.detach())
+
+    def _take_hidden(self, st: _HeadState, start: int, end: int) -> torch.Tensor:
+        """Target hidden states of positions [start, end), dropping those before ``start``."""
+        allh = torch.cat(st.hidden) if len(st.hidden) > 1 else st.hidden[0]
+        out = allh[start - st.first:end - st.first]
+        st.hidden, st.first = [allh[start - st.first:]], start
+        return out
+
+    # ------------------------------------------------------------------ Proposer
+    def num_computed_tokens(self, req: Request) -> int:
+        # the head has covered position p once it has seen token p+1
+        return self._state(req).num_computed + 1 if req.seq_id in self.states else 0
+
+    def max_num_draft_tokens(self, req: Request) -> int:
+        st = self.states.get(req.seq_id)
+        if st is None or st.logits is None:
+            return 0
+        return max(0, self.max_position - req.num_tokens)
+
+    def _run(self, hidden: torch.Tensor, token_ids: list[int], positions: list[int], reqs: list[Request],
+             lens: list[int]) -> torch.Tensor:
+        """One head forward over rows of several sequences; returns predicted hidden ``[T, H]``."""
+        md = AttentionMetadata.build([self.block_manager.block_table(r.seq_id) for r in reqs],
+                                     [p for p in _firsts(positions, lens)], lens, self.block_manager.block_size,
+                                     device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            return self.head(hidden.to(self.device, next(self.head.parameters()).dtype), ids, pos,
+                             PagedKV(self.kv.key_cache[0], self.kv.value_cache[0], md))
+
+    def _target_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, H]`` -> ``[n, V_target]`` float32; tokens outside the draft vocabulary at -inf."""
+        with torch.inference_mode():
+            logits = self.head.compute_logits(head_hidden)
+        if logits.shape[-1] == self.vocab_size and self.head.config.draft_vocab_size is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self.head.draft_to_target] = logits
+        return full
+
+    def catch_up(self, reqs: list[Request]) -> int:
+        rows_h, tokens, positions, todo, lens = [], [], [], [], []
+        for req in reqs:
+            st = self._state(req)
+            known = st.first + sum(h.shape[0] for h in st.hidden)   # target hidden states up to here
+            end = min(known, req.num_tokens - 1)                    # pairs need the next token too
+            if end <= st.num_computed or end > self.max_position:
+                continue
+            rows_h.append(self._take_hidden(st, st.num_computed, end))
+            tokens.extend(req.all_token_ids[st.num_computed + 1:end + 1])
+            positions.extend(range(st.num_computed, end))
+            lens.append(end - st.num_computed)
+            todo.append((req, st, end))
+        if not todo:
+            return 0
+        out = self._run(torch.cat(rows_h), tokens, positions, [r for r, _, _ in todo], lens)
+        last = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+        logits = self._target_logits(out[last])
+        for i, (req, st, end) in enumerate(todo):
+            st.num_computed = end
+            decoding = end == req.num_tokens - 1
+            st.logits = logits[i] if decoding else None
+            st.last_hidden = out[last[i]] if decoding else None
+        return max(lens)
+
+    def _start_chain(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            st = self._state(r)
+            st.chain_hidden = st.last_hidden
+
+    def _carried_logits(self, req: Request) -> torch.Tensor:
+        return self._state(req).logits
+
+    def _next_logits(self, reqs: list[Request], active: list[int], histories: list[list[int]], j: int) -> torch.Tensor:
+        # the head on its own previous prediction and draft j-1, at draft j-1's position - 1
+        states = [self._state(reqs[i]) for i in active]
+        out = self._run(torch.stack([st.chain_hidden for st in states]), [histories[i][-1] for i in active],
+                        [reqs[i].num_tokens - 2 + j for i in active], [reqs[i] for i in active], [1] * len(active))
+        for n, st in enumerate(states):
+            st.chain_hidden = out[n]
+        return self._target_logits(out)
+
+    def on_verified(self, req: Request, num_accepted: int) -> None:
+        st = self._state(req)
+        st.logits = st.last_hidden = None   # the next catch-up refills from the target's hidden states
+
+    def reset(self, req: Request) -> None:
+        self.states.pop(req.seq_id, None)
+
+
+def _firsts(positions: list[int], lens: list[int]) -> list[int]:
+    out, i = [], 0
+    for n in lens:
+        out.append(positions[i])
+        i += n
+    return out

@@ -1,0 +1,180 @@
+"""``specserve train-head`` and ``specserve eval-head``.
+
+train-head: build the corpus (standard library sources and/or self-distilled answers), precompute
+the target's hidden states through the engine (resumable: rerun the same command after an
+interruption), train the head, write it as an EAGLE-layout checkpoint, then evaluate it through
+the engine's speculative path on held-out HumanEval prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specserve.engine.engine import DEFAULT_MODEL
+from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
+from specserve.training.trainer import TrainConfig
+
+
+# TrainConfig fields exposed as flags: (name, type, help)
+TRAIN_FLAGS = [
+    ("num_steps", int, "optimizer steps"), ("batch_size", int, "segments per step (per process)"),
+    ("lr", float, "peak learning rate"), ("warmup_steps", int, "linear warmup steps"),
+    ("weight_decay", float, "AdamW weight decay"), ("max_grad_norm", float, "gradient clipping norm"),
+    ("hidden_loss_weight", float, "weight of the smooth-L1 hidden-state loss"),
+    ("ce_weight", float, "weight of the cross-entropy to the target's distribution"),
+    ("unroll_steps", int, "train on the head's own outputs for this many steps"),
+    ("intermediate_size", int, "the head's MLP width (default: the target's)"),
+    ("draft_vocab_size", int, "score only the N most frequent tokens (default: all)"),
+    ("val_fraction", float, "share of documents held out"), ("eval_every", int, "steps between evaluations"),
+    ("seed", int, "random seed"), ("save_dtype", str, "float16 | bfloat16 | float32")]
+
+
+def add_train_head_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (default: %(default)s)")
+    p.add_argument("--variant", choices=["normed", "eagle"], default="normed")
+    p.add_argument("--corpus", default="stdlib",
+                   help=f"comma-separated corpora from {', '.join(CORPORA)} (default: %(default)s)")
+    p.add_argument("--max-corpus-tokens", type=int, default=200_000,
+                   help="tokens of standard-library source at most (default: %(default)s)")
+    p.add_argument("--self-distill-docs", type=int, default=None,
+                   help="prompts to self-distill per specbench/humaneval corpus (default: all)")
+    p.add_argument("--self-distill-tokens", type=int, default=256, help="tokens per self-distilled answer")
+    p.add_argument("--data-dir", default=None,
+                   help="precomputed hidden states (default: head-data/<target>; reused and resumed)")
+    p.add_argument("--out", default=None, help="the head's folder (default: heads/<target>-<variant>)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per precomputed segment")
+    p.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the target's dtype for precomputation")
+    d = TrainConfig()
+    for name, typ, help_ in TRAIN_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
+                       help=f"{help_} (default: %(default)s)")
+    p.add_argument("--eval-prompts", type=int, default=10,
+                   help=f"held-out HumanEval prompts (of the first {HUMANEVAL_EVAL_PROMPTS}) for the engine "
+                        "evaluation after training; 0 skips it (default: %(default)s)")
+    p.add_argument("--eval-max-tokens", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="k for the engine evaluation")
+
+
+def _slug(name: str) -> str:
+    return Path(name).name.replace("/", "-")
+
+
+def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_distill_docs: int | None,
+                      self_distill_tokens: int) -> list[tuple[str, list[int]]]:
+    """Every document of the chosen corpora, tokenized."""
+    from specserve.training.corpus import self_distill_documents, stdlib_documents
+
+    docs = []
+    for c in corpora:
+        if c == "stdlib":
+            docs += list(stdlib_documents(llm.get_tokenizer(), max_tokens=max_corpus_tokens))
+        else:
+            docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs)
+    return docs
+
+
+def run_train_head(args: argparse.Namespace) -> int:
+    from specserve.entrypoints.llm import LLM
+    from specserve.models.loader import load_model
+    from specserve.training.hidden_states import PrecomputeSettings, precompute_hidden_states, read_manifest
+    from specserve.training.trainer import train_head
+
+    corpora = [c.strip() for c in args.corpus.split(",") if c.strip()]
+    bad = [c for c in corpora if c not in CORPORA]
+    if bad or not corpora:
+        raise ValueError(f"--corpus must list some of {CORPORA}, got {args.corpus!r}")
+    cfg = TrainConfig(variant=args.variant, **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
+    data_dir = Path(args.data_dir or Path("head-data") / _slug(args.target))
+    out = Path(args.out or Path("heads") / f"{_slug(args.target)}-{args.variant}")
+    try:
+        complete = read_manifest(data_dir).get("complete", False)
+    except FileNotFoundError:
+        complete = False
+    if not complete:
+        llm = LLM(args.target, dtype=args.dtype)
+        mc = llm.llm_engine.model_config
+        docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens)
+        settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k)
+        precompute_hidden_states(llm.llm_engine, docs, data_dir, settings,
+                                 total_tokens=sum(len(ids) for _, ids in docs))
+        del llm
+    else:
+        print(f"hidden states: reusing {data_dir}", flush=True)
+    loaded = load_model(args.target)
+    w = loaded.weights
+    embed = w["model.embed_tokens.weight"]
+    summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg)
+    del loaded, w, embed, head
+    after = summary["val_after"]
+    print(f"head written to {out}: validation loss {summary['val_before']['loss']:.4f} -> {after['loss']:.4f}, "
+          f"top-1 {after['top1']:.3f} (unigram baseline {summary['unigram_top1']:.3f}), "
+          f"chain top-1 {[round(x, 3) for x in after['chain_top1']]}, {summary['seconds']:.0f} s", flush=True)
+    if args.eval_prompts > 0:
+        result = _eval(args.target, str(out), args.eval_prompts, args.num_speculative_tokens, args.eval_max_tokens,
+                       args.dtype)
+        summary["engine_eval"] = result
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str) -> dict:
+    from specserve.benchmarks.bench import humaneval_prompts
+    from specserve.training.evaluate import evaluate_head_in_engine
+
+    if not 1 <= num_prompts <= HUMANEVAL_EVAL_PROMPTS:
+        raise ValueError(f"--eval-prompts must be in [1, {HUMANEVAL_EVAL_PROMPTS}] (held-out HumanEval prompts), "
+                         f"got {num_prompts}")
+    result = evaluate_head_in_engine(target, head, humaneval_prompts(num_prompts), k, max_tokens, dtype)
+    print(f"engine evaluation ({num_prompts} held-out HumanEval prompts, k={k}, greedy): acceptance length "
+          f"{result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, chain accuracy "
+          f"{[round(x, 3) for x in result['chain_accuracy']]}", flush=True)
+    return result
+
+
+def add_eval_head_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (default: %(default)s)")
+    p.add_argument("--head", required=True, help="the head's folder or shipped name")
+    p.add_argument("--num-prompts", type=int, default=10,
+                   help=f"held-out HumanEval prompts (at most {HUMANEVAL_EVAL_PROMPTS}; default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--data-dir", default=None, help="precomputed hidden states: also report the validation loss")
+    p.add_argument("--val-fraction", type=float, default=TrainConfig.val_fraction)
+    p.add_argument("--json", default=None, help="write the results here")
+
+
+def run_eval_head(args: argparse.Namespace) -> int:
+    from specserve.models.draft_head import load_draft_head
+    from specserve.models.loader import load_model
+    from specserve.models.registry import resolve_head
+
+    result = {"target": args.target, "head": args.head,
+              "engine": _eval(args.target, args.head, args.num_prompts, args.num_speculative_tokens,
+                              args.max_tokens, args.dtype)}
+    if args.data_dir:
+        import torch
+
+        from specserve.training.dataset import HiddenStateDataset
+        from specserve.training.trainer import evaluate
+
+        head, _ = load_draft_head(resolve_head(args.head))
+        head.float()
+        loaded = load_model(args.target)
+        w = loaded.weights
+        head.attach_target(w["model.embed_tokens.weight"].float(),
+                           w.get("lm_head.weight", w["model.embed_tokens.weight"]).float())
+        t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.int64)
+        t2d[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
+        cfg = TrainConfig(variant=head.config.variant, eval_chain=args.num_speculative_tokens)
+        val = HiddenStateDataset(args.data_dir, "validation", args.val_fraction)
+        result["validation"] = evaluate(head, val, cfg, t2d)
+        v = result["validation"]
+        print(f"validation ({val.num_tokens} tokens): loss {v['loss']:.4f}, top-1 {v['top1']:.3f}, "
+              f"chain top-1 {[round(x, 3) for x in v['chain_top1']]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0

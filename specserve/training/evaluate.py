@@ -1,0 +1,54 @@
+"""Evaluate a trained head through the inference engine's own speculative path (SEED section 6:
+validation through the real inference implementations of target and draft).
+
+Greedy generation on held-out prompts with ``method="mtp"`` and a fixed k gives, from the
+engine's own counters: the acceptance length (tokens per target forward, bonus included), the
+per-position acceptance (``P(draft j accepted | drafts 1..j-1 accepted)``), and the chain accuracy
+``P(the first j drafts all accepted)`` for j = 1..k; under greedy decoding the first position's
+acceptance is the head's next-token top-1 agreement with the target.
+"""
+from __future__ import annotations
+
+from specserve.sampling_params import SamplingParams
+
+
+def chain_accuracy(accepted_per_position: list[int], drafted_per_position: list[int]) -> list[float]:
+    """``P(the first j drafts all accepted)`` for j = 1..k from the engine's per-position counts
+    (a draft at position j is accepted only when every earlier one was)."""
+    return [a / d if d else 0.0 for a, d in zip(accepted_per_position, drafted_per_position)]
+
+
+def conditional_acceptance(chain: list[float]) -> list[float]:
+    """``P(draft j accepted | drafts 1..j-1 accepted)`` from the chain accuracies."""
+    return [c / prev if prev else 0.0 for c, prev in zip(chain, [1.0] + chain[:-1])]
+
+
+def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_speculative_tokens: int = 4,
+                            max_tokens: int = 64, dtype: str = "float32", llm=None) -> dict:
+    """Generate greedily with the head drafting; returns acceptance metrics and checks exactness.
+
+    Args:
+        target: the target model name or folder.
+        head: the head's folder or shipped name.
+        prompts: held-out prompts (raw text).
+        llm: an already built ``LLM`` with this head (tests); otherwise one is built.
+    Returns:
+        ``{"acceptance_length", "top1", "per_position_acceptance", "chain_accuracy", "num_verify_steps",
+        "num_draft_tokens", "num_accepted_tokens", "output_tokens"}``.
+    """
+    from specserve.entrypoints.llm import LLM
+
+    if llm is None:
+        llm = LLM(target, dtype=dtype, speculative_config={"method": "mtp", "model": head, "adaptive": False,
+                                                           "num_speculative_tokens": num_speculative_tokens})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)
+    st = llm.llm_engine.spec_stats
+    steps = st.num_verify_steps
+    chain = chain_accuracy(st.accepted_per_position, st.drafted_per_position)
+    per_pos = conditional_acceptance(chain)
+    return {"acceptance_length": 1 + st.num_accepted_tokens / steps if steps else None,
+            "top1": chain[0] if chain else None, "per_position_acceptance": per_pos, "chain_accuracy": chain,
+            "num_verify_steps": steps, "num_draft_tokens": st.num_draft_tokens,
+            "num_accepted_tokens": st.num_accepted_tokens,
+            "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+            "num_prompts": len(prompts), "max_tokens": max_tokens, "num_speculative_tokens": num_speculative_tokens}

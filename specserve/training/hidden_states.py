@@ -1,0 +1,218 @@
+"""Precompute the target's hidden states and next-token distributions for head training.
+
+The target runs through the engine's own :class:`~specserve.engine.runner.ModelRunner` (the code
+the server runs, paged KV cache included), so a head is trained on exactly the features it will
+see at inference. Each document is cut into segments of at most ``seq_len`` tokens, each run
+from position 0. Per token we store:
+
+* ``hidden_states`` ``[N, H]`` (float16): the final-norm output that feeds the lm_head;
+* ``input_ids`` ``[N]`` int32;
+* ``topk_ids`` ``[N, K]`` int32 and ``topk_probs`` ``[N, K]`` float16: the target's K most likely
+  next tokens and their probabilities (softmax at temperature 1). Full logits would be
+  151,936 floats per token for the Qwen models; the top 20 carry nearly all the mass.
+
+Per segment: ``seq_lens [S]`` and ``seq_doc [S]`` (the document's index in the manifest).
+Shards are ``shard_00000.safetensors`` ...; ``manifest.json`` lists them and the documents they
+hold. A shard and its manifest entry are written only when whole (temporary file, then rename), so
+an interrupted run resumes after the last complete shard and recomputes only the documents that
+were not yet in one.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tqdm import tqdm
+
+from specserve.engine.runner import ModelInput
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def bytes_per_token(hidden_size: int, top_k: int) -> int:
+    """Storage per token: float16 hidden state, int32 id, top-k int32 ids and float16 probs."""
+    return 2 * hidden_size + 4 + top_k * (4 + 2)
+
+
+@dataclass
+class PrecomputeSettings:
+    target: str
+    hidden_size: int
+    vocab_size: int
+    seq_len: int = 1024
+    top_k: int = 20
+    shard_tokens: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "top_k", "shard_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "seq_len": self.seq_len, "top_k": self.top_k}
+
+
+def read_manifest(data_dir: str | Path) -> dict:
+    """The manifest of a precomputed folder. Raises FileNotFoundError when there is none."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST} in {str(data_dir)!r}: precompute hidden states first")
+    return json.loads(path.read_text())
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+class _ShardBuffer:
+    def __init__(self):
+        self.parts: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                                     ("hidden_states", "input_ids", "topk_ids", "topk_probs")}
+        self.seq_lens: list[int] = []
+        self.seq_doc: list[int] = []
+        self.docs: list[str] = []
+        self.num_tokens = 0
+
+    def add(self, doc_index: int, hidden: torch.Tensor, ids: list[int], topk_ids: torch.Tensor,
+            topk_probs: torch.Tensor) -> None:
+        self.parts["hidden_states"].append(hidden.to(torch.float16))
+        self.parts["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
+        self.parts["topk_ids"].append(topk_ids.to(torch.int32))
+        self.parts["topk_probs"].append(topk_probs.to(torch.float16))
+        self.seq_lens.append(len(ids))
+        self.seq_doc.append(doc_index)
+        self.num_tokens += len(ids)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {k: torch.cat(v).contiguous() for k, v in self.parts.items()}
+        out["seq_lens"] = torch.tensor(self.seq_lens, dtype=torch.int64)
+        out["seq_doc"] = torch.tensor(self.seq_doc, dtype=torch.int64)
+        return out
+
+
+@torch.inference_mode()
+def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: int = 256):
+    """Hidden states ``[sum L, H]`` and top-k of the next-token distribution of every token."""
+    bm, runner = engine.block_manager, engine.runner
+    seq_ids = [-(i + 1) for i in range(len(segments))]   # negative: never a request's seq_id
+    try:
+        inputs = []
+        for sid, seg in zip(seq_ids, segments):
+            bm.allocate(sid, len(seg))
+            inputs.append(ModelInput(seg, 0, bm.block_table(sid)))
+        hidden = runner.forward(inputs).hidden_states      # [T, H]
+        ids, probs = [], []
+        for start in range(0, hidden.shape[0], logits_chunk):
+            logits = runner.model.compute_logits(hidden[start:start + logits_chunk])  # [c, V] float32
+            p, i = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+            ids.append(i)
+            probs.append(p)
+        return hidden.float(), torch.cat(ids), torch.cat(probs)
+    finally:
+        for sid in seq_ids:
+            if bm.has_seq(sid):
+                bm.free(sid)
+
+
+def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]], out_dir: str | Path,
+                             settings: PrecomputeSettings, batch_tokens: int = 2048,
+                             total_tokens: int | None = None, progress: bool = True) -> dict:
+    """Run the target over ``documents`` and write sharded safetensors into ``out_dir``.
+
+    Args:
+        engine: an :class:`~specserve.engine.engine.LLMEngine` holding the target (no requests
+            may run on it meanwhile: its page pool is borrowed).
+        documents: ``(doc_id, token_ids)`` pairs; ids must be unique.
+        settings: segment length, top-k and shard size; must match an existing manifest.
+        batch_tokens: tokens per target forward (segments are batched up to this).
+        total_tokens: for the progress bar and size estimate (None: unknown).
+    Returns:
+        The manifest (also written to ``out_dir/manifest.json``).
+    Raises:
+        ValueError: the folder holds data made with other settings, or a duplicate doc_id.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / MANIFEST
+    if path.is_file():
+        manifest = json.loads(path.read_text())
+        if manifest["settings"] != settings.as_dict():
+            raise ValueError(f"{out} holds hidden states made with {manifest['settings']}, "
+                             f"not {settings.as_dict()}; use another folder")
+    else:
+        manifest = {"version": FORMAT_VERSION, "settings": settings.as_dict(), "documents": [], "shards": [],
+                    "complete": False}
+        _write_json_atomic(path, manifest)
+    done = set(manifest["documents"])
+    per_token = bytes_per_token(settings.hidden_size, settings.top_k)
+    if total_tokens is not None:
+        print(f"hidden states: about {total_tokens:,} tokens x {per_token:,} bytes = "
+              f"{total_tokens * per_token / 2**30:.2f} GiB in {out}"
+              + (f" ({len(done)} documents already done)" if done else ""), flush=True)
+    bar = tqdm(total=total_tokens, unit="tok", desc="hidden states", disable=not progress)
+    buf, pending, pending_tokens = _ShardBuffer(), [], 0
+    seen = set()
+
+    def flush_batch():
+        nonlocal pending, pending_tokens
+        if not pending:
+            return
+        hidden, topk_ids, topk_probs = _run_segments(engine, [seg for _, seg in pending], settings.top_k)
+        start = 0
+        for doc_index, seg in pending:
+            n = len(seg)
+            buf.add(doc_index, hidden[start:start + n], seg, topk_ids[start:start + n], topk_probs[start:start + n])
+            start += n
+        bar.update(pending_tokens)
+        pending, pending_tokens = [], 0
+
+    def flush_shard():
+        nonlocal buf
+        flush_batch()
+        if not buf.num_tokens:
+            return
+        name = f"shard_{len(manifest['shards']):05d}.safetensors"
+        tmp = out / (name + ".tmp")
+        save_file(buf.tensors(), str(tmp))
+        os.replace(tmp, out / name)
+        manifest["documents"].extend(buf.docs)
+        manifest["shards"].append({"file": name, "num_tokens": buf.num_tokens, "num_seqs": len(buf.seq_lens)})
+        _write_json_atomic(path, manifest)
+        buf = _ShardBuffer()
+
+    for doc_id, ids in documents:
+        if doc_id in seen:
+            raise ValueError(f"duplicate document id {doc_id!r}")
+        seen.add(doc_id)
+        if doc_id in done:
+            bar.update(len(ids))
+            continue
+        doc_index = len(manifest["documents"]) + len(buf.docs)
+        buf.docs.append(doc_id)
+        for s in range(0, len(ids), settings.seq_len):
+            seg = list(ids[s:s + settings.seq_len])
+            if len(seg) < 2:
+                continue
+            if pending_tokens + len(seg) > batch_tokens:
+                flush_batch()
+            pending.append((doc_index, seg))
+            pending_tokens += len(seg)
+        if buf.num_tokens + pending_tokens >= settings.shard_tokens:
+            flush_shard()
+    flush_shard()
+    bar.close()
+    manifest["complete"] = True
+    _write_json_atomic(path, manifest)
+    return manifest

@@ -1,0 +1,291 @@
+"""Train a draft head on precomputed target hidden states (SEED section 6; EAGLE's objective).
+
+Loss per predicted position (Li et al. 2024, "EAGLE", section 4.2):
+
+    hidden_loss_weight * SmoothL1(head hidden, target's next hidden state)
+  + ce_weight * CE(target's next-token distribution, softmax(lm_head(head hidden)))
+
+with EAGLE's defaults 1.0 and 0.1. The target distribution is its stored top-k, renormalized over
+the tokens the head can score (all, or the reduced draft vocabulary). With ``unroll_steps`` > 1 the
+head is also trained on its own outputs: step j feeds step j-1's predicted hidden states (and
+the true next tokens) and predicts j positions further, as it will when drafting a chain. Within a
+step, attention is causal over that step's own inputs (an approximation: at inference earlier
+positions hold keys refilled from the target's hidden states).
+
+AdamW, linear warmup then cosine decay to ``min_lr_ratio`` of the peak, gradient clipping, float32.
+Several processes (``torchrun --nproc-per-node N -m specserve.entrypoints.cli train-head ...``)
+train with DistributedDataParallel (over :class:`HeadLoss`, the whole unrolled loss): each rank
+takes every N-th example of the same shuffled order, gradients are averaged, rank 0 logs and saves.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from specserve.models.draft_head import DraftHead, DraftHeadConfig
+from specserve.training.dataset import Batch, HiddenStateDataset, frequent_token_vocab
+
+
+@dataclass
+class TrainConfig:
+    """Head training settings (defaults: EAGLE's loss weights; a CPU-sized run)."""
+
+    variant: str = "normed"
+    intermediate_size: int | None = None
+    draft_vocab_size: int | None = None
+    num_steps: int = 1000
+    batch_size: int = 4
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 0.5
+    hidden_loss_weight: float = 1.0
+    ce_weight: float = 0.1
+    unroll_steps: int = 1
+    val_fraction: float = 0.05
+    eval_every: int = 250
+    eval_chain: int = 4
+    max_eval_segments: int = 64        # validation segments of the periodic evaluations (the first and
+                                       # last use all of them)
+    seed: int = 0
+    save_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_steps", "batch_size", "unroll_steps", "eval_every", "eval_chain", "max_eval_segments"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.save_dtype not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"save_dtype must be float16, bfloat16 or float32, got {self.save_dtype!r}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate at ``step`` (0-based): linear warmup, then cosine to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.num_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _soft_ce(head: DraftHead, pred: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+             target_to_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy against the renormalized top-k and the head's argmax (target ids).
+    pred ``[R, H]``, ids/probs ``[R, K]`` -> ``([R], [R])``."""
+    logq = torch.log_softmax(head.compute_logits(pred), dim=-1)        # [R, N]
+    draft_ids = target_to_draft[ids]                                    # [R, K], -1 outside the vocab
+    p = probs * (draft_ids >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-12)
+    ce = -(p * logq.gather(1, draft_ids.clamp_min(0))).sum(-1)
+    return ce, head.draft_to_target[logq.argmax(-1)]
+
+
+def chunked_ce(head: DraftHead, pred: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor,
+               target_to_draft: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_soft_ce` in row chunks, each recomputed in the backward pass, so the ``[rows, vocab]``
+    logits never exist for the whole batch at once (151,936 floats per row for Qwen)."""
+    ces, tops = [], []
+    for s in range(0, pred.shape[0], chunk):
+        args = (pred[s:s + chunk], ids[s:s + chunk], probs[s:s + chunk])
+        if pred.requires_grad:
+            ce, top = checkpoint(lambda a, b, c: _soft_ce(head, a, b, c, target_to_draft), *args, use_reentrant=False)
+        else:
+            ce, top = _soft_ce(head, *args, target_to_draft)
+        ces.append(ce)
+        tops.append(top)
+    return torch.cat(ces), torch.cat(tops)
+
+
+def head_losses(head: DraftHead, batch: Batch, cfg: TrainConfig, target_to_draft: torch.Tensor,
+                num_steps: int | None = None) -> tuple[torch.Tensor, list[dict]]:
+    """Loss of one batch, averaged over ``num_steps`` unrolled steps (default ``cfg.unroll_steps``).
+
+    Returns ``(loss, per-step stats)`` with each step's ``hidden_loss``, ``ce``, ``loss``, ``top1``
+    (sums over positions, for exact averaging) and ``count``.
+    """
+    steps = num_steps or cfg.unroll_steps
+    b, t, _ = batch.hidden_states.shape
+    total, stats = 0.0, []
+    prev = batch.hidden_states
+    for j in range(steps):
+        n = t - 1 - j
+        if n <= 0:
+            break
+        inputs = prev[:, :n]
+        positions = torch.arange(j, t - 1, device=inputs.device).expand(b, n)   # of the input hidden states
+        pred = head(inputs, batch.input_ids[:, 1 + j:], positions)   # [B, n, H]
+        valid = batch.mask[:, 1 + j:]
+        rows = valid.reshape(-1)
+        p = pred.reshape(-1, pred.shape[-1])[rows]
+        hidden_loss = F.smooth_l1_loss(p, batch.hidden_states[:, 1 + j:].reshape(-1, p.shape[-1])[rows],
+                                       reduction="none").mean(-1)
+        ids = batch.topk_ids[:, 1 + j:].reshape(-1, batch.topk_ids.shape[-1])[rows]
+        probs = batch.topk_probs[:, 1 + j:].reshape(-1, batch.topk_probs.shape[-1])[rows]
+        ce, top = chunked_ce(head, p, ids, probs, target_to_draft)
+        loss = cfg.hidden_loss_weight * hidden_loss + cfg.ce_weight * ce
+        total = total + loss.mean()
+        stats.append({"hidden_loss": hidden_loss.sum().item(), "ce": ce.sum().item(), "loss": loss.sum().item(),
+                      "top1": (top == ids[:, 0]).sum().item(), "count": int(rows.sum())})
+        prev = pred
+    return total / max(len(stats), 1), stats
+
+
+class HeadLoss(torch.nn.Module):
+    """The whole unrolled loss as one module, so DistributedDataParallel sees one forward per
+    backward however many times the head runs inside it."""
+
+    def __init__(self, head: DraftHead, cfg: TrainConfig, target_to_draft: torch.Tensor):
+        super().__init__()
+        self.head, self.cfg, self.target_to_draft = head, cfg, target_to_draft
+
+    def forward(self, hidden_states, input_ids, topk_ids, topk_probs, mask):
+        return head_losses(self.head, Batch(hidden_states, input_ids, topk_ids, topk_probs, mask), self.cfg,
+                           self.target_to_draft)
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, data: HiddenStateDataset, cfg: TrainConfig, target_to_draft: torch.Tensor,
+             chain: int | None = None, max_segments: int | None = None) -> dict:
+    """Validation metrics over (up to ``max_segments``) segments: loss, hidden_loss, ce and top-1
+    of the first step, and ``chain_top1[j]``: top-1 accuracy j+1 positions ahead with the head
+    fed its own hidden states (j = 0 .. chain-1)."""
+    chain = chain or cfg.eval_chain
+    n = min(len(data), max_segments or len(data))
+    sums = [dict(hidden_loss=0.0, ce=0.0, loss=0.0, top1=0, count=0) for _ in range(chain)]
+    was_training = head.training
+    head.eval()
+    for s in range(0, n, cfg.batch_size):
+        batch = data.batch(list(range(s, min(n, s + cfg.batch_size))))
+        _, stats = head_losses(head, batch, cfg, target_to_draft, num_steps=chain)
+        for acc, st in zip(sums, stats):
+            for k in acc:
+                acc[k] += st[k]
+    head.train(was_training)
+    first = sums[0]
+    c = max(first["count"], 1)
+    return {"loss": first["loss"] / c, "hidden_loss": first["hidden_loss"] / c, "ce": first["ce"] / c,
+            "top1": first["top1"] / c, "chain_top1": [a["top1"] / max(a["count"], 1) for a in sums],
+            "tokens": first["count"]}
+
+
+def unigram_top1(train: HiddenStateDataset, val: HiddenStateDataset, vocab_size: int) -> float:
+    """Top-1 accuracy on ``val`` of always predicting the training split's most frequent next token."""
+    best = int(train.token_counts(vocab_size).argmax())
+    hits = total = 0
+    for s in val.segments:
+        nxt = s["topk_ids"][1:, 0]
+        hits += int((nxt == best).sum())
+        total += nxt.numel()
+    return hits / max(total, 1)
+
+
+def _dist_info() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if world > 1 else (0, 1)
+
+
+def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_weight: torch.Tensor,
+               lm_head_weight: torch.Tensor, cfg: TrainConfig, device: str = "cpu",
+               progress: bool = True) -> tuple[dict, DraftHead]:
+    """Train a head on the hidden states in ``data_dir``; write it to ``out_dir``.
+
+    Args:
+        target_config: the target's :class:`~specserve.config.ModelConfig` (the head's shape).
+        embed_weight, lm_head_weight: the target's ``[V, H]`` embedding and lm_head (frozen).
+    Returns:
+        ``(summary, head)``: the summary (also ``out_dir/train_summary.json``) holds settings,
+        tokens seen, seconds, the unigram baseline and the validation metrics before and after.
+        ``out_dir/train_log.jsonl`` holds a line per logged step.
+    Raises:
+        ValueError: the data was made by another target (hidden size or vocabulary differ).
+    """
+    rank, world = _dist_info()
+    torch.manual_seed(cfg.seed)
+    train = HiddenStateDataset(data_dir, "train", cfg.val_fraction)
+    val = HiddenStateDataset(data_dir, "validation", cfg.val_fraction)
+    st = train.settings
+    if st["hidden_size"] != target_config.hidden_size or st["vocab_size"] != target_config.vocab_size:
+        raise ValueError(f"{data_dir} was precomputed for {st['target']} (hidden {st['hidden_size']}, "
+                         f"vocab {st['vocab_size']}), not this target")
+    head_cfg = DraftHeadConfig.for_target(target_config, cfg.variant, cfg.intermediate_size, cfg.draft_vocab_size)
+    head = DraftHead(head_cfg)
+    if cfg.draft_vocab_size is not None:
+        head.set_draft_vocab(frequent_token_vocab(train.token_counts(target_config.vocab_size), cfg.draft_vocab_size))
+    head.to(device).attach_target(embed_weight.to(device, torch.float32), lm_head_weight.to(device, torch.float32))
+    target_to_draft = torch.full((target_config.vocab_size,), -1, dtype=torch.int64, device=device)
+    target_to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel(), device=device)
+    model = HeadLoss(head, cfg, target_to_draft)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
+                            betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    out = Path(out_dir)
+    log_file = None
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        log_file = open(out / "train_log.jsonl", "w")
+    baseline = unigram_top1(train, val, target_config.vocab_size)
+    before = evaluate(head, val, cfg, target_to_draft)
+    rng = random.Random(cfg.seed)
+    order: list[int] = []
+    tokens_seen, t0 = 0, time.perf_counter()
+    bar = tqdm(range(cfg.num_steps), desc=f"train {cfg.variant} head", disable=not progress or rank != 0)
+    history = []
+    for step in bar:
+        need = cfg.batch_size * world
+        if len(order) < need:
+            epoch = list(range(len(train)))
+            rng.shuffle(epoch)
+            order += epoch * max(1, -(-need // len(epoch)))
+        mine, order = order[:need][rank::world], order[need:]
+        batch = train.batch(mine).to(device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        loss, stats = model(batch.hidden_states, batch.input_ids, batch.topk_ids, batch.topk_probs, batch.mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
+        opt.step()
+        tokens_seen += stats[0]["count"] * world
+        c = max(stats[0]["count"], 1)
+        rec = {"step": step + 1, "lr": lr_at(step, cfg), "loss": loss.item(), "hidden_loss": stats[0]["hidden_loss"] / c,
+               "ce": stats[0]["ce"] / c, "top1": stats[0]["top1"] / c, "grad_norm": float(grad_norm),
+               "tokens": tokens_seen}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.num_steps:
+            rec["val"] = evaluate(head, val, cfg, target_to_draft, max_segments=cfg.max_eval_segments)
+            history.append(rec)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1']:.2f}")
+        if log_file is not None:
+            log_file.write(json.dumps(rec) + "\n")
+            log_file.flush()
+    seconds = time.perf_counter() - t0
+    after = evaluate(head, val, cfg, target_to_draft)
+    summary = {"target": st["target"], "train_config": asdict(cfg), "head_config": asdict(head_cfg),
+               "world_size": world, "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
+               "tokens_seen": tokens_seen, "seconds": seconds, "unigram_top1": baseline,
+               "val_before": before, "val_after": after}
+    if rank == 0:
+        log_file.close()
+        head.save(out, dtype=getattr(torch, cfg.save_dtype))
+        (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if world > 1:
+        dist.barrier()
+    return summary, head

@@ -1,0 +1,242 @@
+"""Draft heads: the math against oracles, the two attention paths, checkpoints in EAGLE and
+DeepSeek-MTP layouts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.config import ModelConfig
+from specserve.models.draft_head import (DraftHead, DraftHeadConfig, PagedKV, load_draft_head,
+                                         map_checkpoint_names)
+
+TARGET = ModelConfig(architecture="qwen2", vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, max_position_embeddings=128, attention_bias=True)
+
+
+def make_head(variant: str, draft_vocab: int | None = None, seed: int = 0) -> DraftHead:
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig.for_target(TARGET, variant, intermediate_size=40, draft_vocab_size=draft_vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(mean=1.0 if p.ndim == 1 and p.shape[0] == TARGET.hidden_size else 0.0, std=0.2)
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.randperm(TARGET.vocab_size)[:draft_vocab].sort().values)
+    g = torch.Generator().manual_seed(seed + 1)
+    head.attach_target(torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=g),
+                       torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=g))
+    return head
+
+
+def reference_forward(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor):
+    """The head's math written out in float64 for one sequence ``[T, H]`` (causal attention)."""
+    cfg = head.config
+    sd = {k: v.double() for k, v in head.state_dict().items() if v.is_floating_point()}
+
+    def norm(x, w):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    def lin(x, name, bias=False):
+        y = x @ sd[name + ".weight"].T
+        return y + sd[name + ".bias"] if bias else y
+
+    e, h = head.embed_weight.double()[ids], hidden.double()
+    if cfg.variant == "normed":
+        e, h = norm(e, sd["enorm.weight"]), norm(h, sd["hnorm.weight"])
+    x = lin(torch.cat([e, h], -1), "eh_proj", bias=cfg.variant == "eagle")
+    a = norm(x, sd["input_layernorm.weight"]) if cfg.variant == "normed" else x
+    T, nh, nkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q = lin(a, "self_attn.q_proj", cfg.attention_bias).view(T, nh, d)
+    k = lin(a, "self_attn.k_proj", cfg.attention_bias).view(T, nkv, d)
+    v = lin(a, "self_attn.v_proj", cfg.attention_bias).view(T, nkv, d)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = positions.double()[:, None] * inv[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+    def rope(z):
+        z1, z2 = z[..., :d // 2], z[..., d // 2:]
+        return z * cos + torch.cat([-z2, z1], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = k.repeat_interleave(nh // nkv, 1), v.repeat_interleave(nh // nkv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / d ** 0.5
+    scores = scores.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, nh * d)
+    x = x + lin(attn, "self_attn.o_proj")
+    m = norm(x, sd["post_attention_layernorm.weight"])
+    x = x + lin(F.silu(lin(m, "mlp.gate_proj")) * lin(m, "mlp.up_proj"), "mlp.down_proj")
+    return norm(x, sd["shared_head.norm.weight"]) if cfg.variant == "normed" else x
+
+
+@pytest.mark.parametrize("variant", ["eagle", "normed"])
+def test_head_matches_float64_reference(variant):
+    head = make_head(variant)
+    torch.manual_seed(3)
+    hidden = torch.randn(2, 9, TARGET.hidden_size)
+    ids = torch.randint(0, TARGET.vocab_size, (2, 9))
+    pos = torch.arange(1, 10).expand(2, 9)
+    out = head(hidden, ids, pos)
+    for b in range(2):
+        ref = reference_forward(head, hidden[b], ids[b], pos[b])
+        torch.testing.assert_close(out[b].double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_normed_head_equals_hf_decoder_layer():
+    """The normed variant's layer is a standard pre-norm decoder layer: HF's Qwen2 model with one
+    layer, fed eh_proj's output as inputs_embeds, must give the same hidden states."""
+    from transformers import Qwen2Config, Qwen2Model
+
+    head = make_head("normed")
+    cfg = head.config
+    hf = Qwen2Model(Qwen2Config(vocab_size=TARGET.vocab_size, hidden_size=cfg.hidden_size,
+                                intermediate_size=cfg.intermediate_size, num_hidden_layers=1,
+                                num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                                rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+                                max_position_embeddings=cfg.max_position_embeddings)).eval()
+    sd = head.state_dict()
+    hf_sd = {"norm.weight": sd["shared_head.norm.weight"], "embed_tokens.weight": hf.embed_tokens.weight}
+    for name, t in sd.items():
+        if name.startswith(("self_attn.", "mlp.", "input_layernorm", "post_attention_layernorm")):
+            hf_sd["layers.0." + name] = t
+    hf.load_state_dict(hf_sd, strict=True)
+    torch.manual_seed(4)
+    hidden = torch.randn(1, 7, cfg.hidden_size)
+    ids = torch.randint(0, TARGET.vocab_size, (1, 7))
+    pos = torch.arange(5, 12).unsqueeze(0)
+    with torch.no_grad():
+        x = head.eh_proj(torch.cat([head.enorm(head.embed(ids)), head.hnorm(hidden)], -1))
+        want = hf(inputs_embeds=x, position_ids=pos).last_hidden_state
+        got = head(hidden, ids, pos)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["eagle", "normed"])
+def test_paged_inference_path_equals_training_path(variant):
+    """Two sequences through the paged KV cache (a prefill chunk, then token by token) give the
+    training forward's hidden states."""
+    head = make_head(variant)
+    cfg = head.config
+    torch.manual_seed(5)
+    lens = [11, 6]
+    hidden = [torch.randn(n, cfg.hidden_size) for n in lens]
+    ids = [torch.randint(0, TARGET.vocab_size, (n,)) for n in lens]
+    want = [head(h.unsqueeze(0), i.unsqueeze(0), torch.arange(n).unsqueeze(0))[0] for h, i, n in zip(hidden, ids, lens)]
+    block_size, tables = 4, [[0, 1, 2], [3, 4]]
+    kc = torch.zeros(6, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    vc = torch.zeros_like(kc)
+    got = [[], []]
+    steps = [(0, 5), (5, 1), (6, 1), (7, 4)]     # chunk boundaries of sequence 0; sequence 1 ends earlier
+    for start, n in steps:
+        rows = [(b, start, min(n, lens[b] - start)) for b in range(2) if start < lens[b]]
+        md = AttentionMetadata.build([tables[b] for b, _, _ in rows], [s for _, s, _ in rows], [q for _, _, q in rows],
+                                     block_size)
+        h = torch.cat([hidden[b][s:s + q] for b, s, q in rows])
+        i = torch.cat([ids[b][s:s + q] for b, s, q in rows])
+        p = torch.cat([torch.arange(s, s + q) for _, s, q in rows])
+        out = head(h, i, p, PagedKV(kc, vc, md))
+        o = 0
+        for b, s, q in rows:
+            got[b].append(out[o:o + q])
+            o += q
+    for b in range(2):
+        torch.testing.assert_close(torch.cat(got[b]), want[b], rtol=1e-5, atol=1e-5)
+
+
+def test_reduced_vocabulary_scores_the_mapped_rows():
+    full, reduced = make_head("normed"), make_head("normed", draft_vocab=12)
+    reduced.load_state_dict({k: v for k, v in full.state_dict().items() if k != "draft_to_target"}, strict=False)
+    h = torch.randn(3, TARGET.hidden_size)
+    torch.testing.assert_close(reduced.compute_logits(h), full.compute_logits(h)[:, reduced.draft_to_target])
+    with pytest.raises(ValueError, match="distinct"):
+        reduced.set_draft_vocab(torch.zeros(12, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("variant,draft_vocab", [("eagle", None), ("normed", None), ("normed", 12)])
+def test_save_and_reload_gives_identical_logits(tmp_path, variant, draft_vocab):
+    head = make_head(variant, draft_vocab)
+    head.save(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"][0].endswith("ForCausalLMEagle")
+    from safetensors.torch import load_file
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)   # the target's: never saved
+    assert ("d2t" in names) == (draft_vocab is not None)
+    loaded, report = load_draft_head(tmp_path)
+    assert report.missing == [] and report.unmapped == []
+    loaded.attach_target(head.embed_weight, head._full_lm_head)
+    hidden, ids = torch.randn(1, 8, TARGET.hidden_size), torch.randint(0, TARGET.vocab_size, (1, 8))
+    pos = torch.arange(8).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(loaded.compute_logits(loaded(hidden, ids, pos)), head.compute_logits(head(hidden, ids, pos)))
+    assert torch.equal(loaded.draft_to_target, head.draft_to_target)
+
+
+def _layer_tensors(head: DraftHead, prefix: str) -> dict[str, torch.Tensor]:
+    return {prefix + n: t.clone() for n, t in head.state_dict().items()
+            if n.startswith(("self_attn.", "mlp.", "input_layernorm", "post_attention_layernorm"))}
+
+
+def test_load_eagle_layout_checkpoint(tmp_path):
+    """A published-style EAGLE-1 checkpoint: fc with bias, layers.0.* without input_layernorm,
+    plus the target's embedding (skipped) and a stray tensor (reported)."""
+    from safetensors.torch import save_file
+
+    src = make_head("eagle", seed=7)
+    tensors = {"fc.weight": src.eh_proj.weight.detach().clone(), "fc.bias": src.eh_proj.bias.detach().clone(),
+               "embed_tokens.weight": torch.zeros(TARGET.vocab_size, TARGET.hidden_size),
+               "rotary_emb.inv_freq": torch.zeros(4)}
+    tensors.update(_layer_tensors(src, "layers.0."))
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle"], "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 40,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 50, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128, "rope_theta": 10000.0}))
+    with pytest.raises(ValueError, match="rotary_emb.inv_freq"):
+        load_draft_head(tmp_path)
+    head, report = load_draft_head(tmp_path, strict=False)
+    assert head.config.variant == "eagle" and head.config.attention_bias
+    assert report.unmapped == ["rotary_emb.inv_freq"] and report.target_owned == ["embed_tokens.weight"]
+    assert report.missing == []
+    for name, t in src.state_dict().items():
+        if name != "draft_to_target":
+            assert torch.equal(head.state_dict()[name], t), name
+
+
+def test_load_deepseek_mtp_layout_maps_every_weight_and_reports_the_rest(tmp_path):
+    from safetensors.torch import save_file
+
+    src = make_head("normed", seed=8)
+    p = "model.layers.2."
+    tensors = {p + "enorm.weight": src.enorm.weight.detach().clone(), p + "hnorm.weight": src.hnorm.weight.detach().clone(),
+               p + "eh_proj.weight": src.eh_proj.weight.detach().clone(),
+               p + "shared_head.norm.weight": src.shared_head.norm.weight.detach().clone(),
+               p + "shared_head.head.weight": torch.zeros(TARGET.vocab_size, TARGET.hidden_size),
+               p + "embed_tokens.weight": torch.zeros(TARGET.vocab_size, TARGET.hidden_size),
+               p + "self_attn.kv_a_proj_with_mqa.weight": torch.zeros(3, 3),
+               p + "mlp.experts.0.gate_proj.weight": torch.zeros(3, 3)}
+    tensors.update(_layer_tensors(src, p))
+    save_file(tensors, str(tmp_path / "mtp.safetensors"))
+    mapping, owned, unmapped = map_checkpoint_names(list(tensors))
+    assert sorted(owned) == [p + "embed_tokens.weight", p + "shared_head.head.weight"]
+    assert sorted(unmapped) == [p + "mlp.experts.0.gate_proj.weight", p + "self_attn.kv_a_proj_with_mqa.weight"]
+    head, report = load_draft_head(tmp_path, config=src.config, strict=False)
+    assert report.missing == [] and sorted(report.unmapped) == sorted(unmapped)
+    for name, t in src.state_dict().items():
+        if name != "draft_to_target":
+            assert torch.equal(head.state_dict()[name], t), name
+    assert len(report.loaded) == len([n for n in src.state_dict() if n != "draft_to_target"])
+
+
+def test_bad_configs_name_the_value():
+    with pytest.raises(ValueError, match="variant"):
+        DraftHeadConfig.for_target(TARGET, "medusa")
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        DraftHeadConfig.for_target(TARGET, "eagle", draft_vocab_size=51)
+    head = make_head("eagle")
+    with pytest.raises(ValueError, match="lm_head"):
+        head.attach_target(torch.zeros(50, 32), torch.zeros(49, 32))

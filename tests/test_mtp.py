@@ -1,0 +1,105 @@
+"""MTP chain speculation in the engine: greedy exactness with any head, the head's KV refilled from
+the target's hidden states, and a trained head accepted more often than an untrained one."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.entrypoints.llm import LLM
+from specserve.attention.metadata import AttentionMetadata
+from specserve.models.draft_head import DraftHead, DraftHeadConfig, PagedKV
+from specserve.models.loader import load_model
+from specserve.sampling_params import SamplingParams
+from specserve.training.evaluate import chain_accuracy, conditional_acceptance, evaluate_head_in_engine
+
+PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 40, 90, 7, 33, 64)]
+
+
+def save_random_head(target_dir, folder, variant="normed", draft_vocab=None, seed=0):
+    cfg = load_model(str(target_dir)).config
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig.for_target(cfg, variant, intermediate_size=32, draft_vocab_size=draft_vocab))
+    if draft_vocab is not None:
+        head.set_draft_vocab(torch.arange(0, 2 * draft_vocab, 2))
+    head.save(folder, dtype=torch.float32)
+    return folder
+
+
+@pytest.mark.parametrize("variant,draft_vocab,adaptive", [("normed", None, False), ("eagle", 40, False),
+                                                          ("normed", None, True)])
+def test_mtp_greedy_equals_no_speculation(tiny_qwen2_dir, tmp_path, variant, draft_vocab, adaptive):
+    head = save_random_head(tiny_qwen2_dir, tmp_path / "head", variant, draft_vocab)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = LLM(tiny_qwen2_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "mtp", "model": str(head), "num_speculative_tokens": 3,
+                                                   "adaptive": adaptive})
+    for batch in ([PROMPTS[4]], PROMPTS):   # batch 1, then 8 prompts of mixed lengths
+        out = spec.generate([{"prompt_token_ids": p} for p in batch], params)
+        want = [ref[PROMPTS.index(p)].outputs[0].token_ids for p in batch]
+        assert [o.outputs[0].token_ids for o in out] == want
+    eng = spec.llm_engine
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    if not adaptive:
+        assert eng.spec_stats.num_draft_tokens > 0
+
+
+def test_head_kv_is_refilled_from_target_hidden_states(tiny_qwen2_dir, tmp_path):
+    """After generation steps, the head's KV at every position the head covers equals a fresh head
+    forward over the target's own hidden states, even though proposals ran the head on its own
+    (here deliberately corrupted) features at those positions first."""
+    head_dir = save_random_head(tiny_qwen2_dir, tmp_path / "head")
+    llm = LLM(tiny_qwen2_dir, speculative_config={"method": "mtp", "model": str(head_dir),
+                                                  "num_speculative_tokens": 3, "adaptive": False})
+    eng = llm.llm_engine
+    prop = eng.proposer
+    real_run, real_propose, proposing = prop._run, prop.propose, [False]
+
+    def propose(*a, **kw):
+        proposing[0] = True
+        try:
+            return real_propose(*a, **kw)
+        finally:
+            proposing[0] = False
+
+    def corrupting_run(hidden, *a, **kw):   # the head's own features, while drafting, are garbage
+        return real_run(hidden + 100.0 if proposing[0] else hidden, *a, **kw)
+
+    prop._run, prop.propose = corrupting_run, propose
+    prompt = PROMPTS[3]
+    eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    req = eng.requests["r"][0]
+    eng.proposer.catch_up([req])
+    st = prop.states[req.seq_id]
+    n = st.num_computed
+    # the oracle: the target's hidden states over the whole sequence, then the head over them
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32).eval()
+    ids = torch.tensor(req.all_token_ids)
+    with torch.no_grad():
+        h = hf(ids.unsqueeze(0), output_hidden_states=True).hidden_states[-1][0]
+        want = prop.head(h[:n].unsqueeze(0), ids[1:n + 1].unsqueeze(0), torch.arange(n).unsqueeze(0))[0]
+    # read the head's KV back by recomputing the last position from the cache: its output must match
+    table = eng.block_manager.block_table(req.seq_id)
+    md = AttentionMetadata.build([table], [n - 1], [1], eng.block_manager.block_size)
+    with torch.inference_mode():
+        got = prop.head(h[n - 1:n], ids[n:n + 1], torch.tensor([n - 1]),
+                        PagedKV(prop.kv.key_cache[0], prop.kv.value_cache[0], md))
+    torch.testing.assert_close(got[0], want[n - 1], rtol=1e-4, atol=1e-4)
+    assert n >= len(prompt) + 3
+
+
+def test_chain_accuracy_hand_case():
+    # 10 steps of 3 drafts: position 1 accepted 6 times, position 2 4 times, position 3 once
+    chain = chain_accuracy([6, 4, 1], [10, 10, 10])
+    assert chain == [0.6, 0.4, 0.1]
+    assert conditional_acceptance(chain) == pytest.approx([0.6, 4 / 6, 0.25])
+
+
+def test_evaluate_reports_engine_counters(tiny_qwen2_dir, tmp_path):
+    head = save_random_head(tiny_qwen2_dir, tmp_path / "head")
+    r = evaluate_head_in_engine(str(tiny_qwen2_dir), str(head), ["def f(x):", "import os\n"], 3, max_tokens=12)
+    assert r["num_verify_steps"] > 0 and r["output_tokens"] == 24
+    assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_verify_steps"])
+    assert len(r["chain_accuracy"]) == 3 and r["top1"] == r["chain_accuracy"][0]

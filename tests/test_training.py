@@ -1,0 +1,182 @@
+"""Head training: hidden-state precomputation against HF transformers, resumption, the split,
+the schedule, and a real (tiny) training run that must beat a unigram baseline."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from specserve.entrypoints.llm import LLM
+from specserve.models.loader import load_model
+from specserve.training.corpus import is_validation, stdlib_documents
+from specserve.training.dataset import HiddenStateDataset, frequent_token_vocab
+from specserve.training.hidden_states import PrecomputeSettings, bytes_per_token, precompute_hidden_states
+from specserve.training.trainer import TrainConfig, lr_at, train_head
+
+
+def _settings(llm, **kw):
+    cfg = llm.llm_engine.model_config
+    return PrecomputeSettings(target="tiny", hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_qwen2_dir, tmp_path_factory):
+    """Hidden states of the tiny Qwen2 target over ~12k tokens of standard-library source."""
+    llm = LLM(tiny_qwen2_dir)
+    docs = list(stdlib_documents(llm.get_tokenizer(), max_tokens=12000))
+    out = tmp_path_factory.mktemp("hidden")
+    precompute_hidden_states(llm.llm_engine, docs, out, _settings(llm, seq_len=128, top_k=8, shard_tokens=3000),
+                             progress=False)
+    return out, docs
+
+
+def test_precomputed_hidden_states_equal_hf_forward(tiny_qwen2_dir, tiny_data):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, docs = tiny_data
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["documents"] == [d for d, _ in docs]
+    assert len(manifest["shards"]) > 1
+    shard = load_file(str(out / manifest["shards"][0]["file"]))
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32).eval()
+    start = 0
+    for n in shard["seq_lens"].tolist()[:3]:
+        ids = shard["input_ids"][start:start + n].long()
+        with torch.no_grad():
+            o = hf(ids.unsqueeze(0), output_hidden_states=True)
+        want_h = o.hidden_states[-1][0]                    # after the final norm: what feeds lm_head
+        torch.testing.assert_close(shard["hidden_states"][start:start + n].float(), want_h, rtol=2e-3, atol=2e-3)
+        p, i = torch.softmax(o.logits[0], -1).topk(8, -1)
+        assert (shard["topk_ids"][start:start + n].long() == i).float().mean() > 0.99   # ties aside
+        torch.testing.assert_close(shard["topk_probs"][start:start + n].float(), p, rtol=2e-3, atol=2e-3)
+        start += n
+    first = docs[0][1]
+    assert shard["input_ids"][:len(first[:128])].tolist() == first[:128]
+
+
+def test_precompute_resumes_after_interruption(tiny_qwen2_dir, tmp_path):
+    llm = LLM(tiny_qwen2_dir)
+    docs = [(f"{d}#{i}", ids[i:i + 300]) for d, ids in stdlib_documents(llm.get_tokenizer(), max_tokens=3000)
+            for i in range(0, len(ids), 300)][:10]   # ten documents of 300 tokens
+    settings = _settings(llm, seq_len=64, top_k=4, shard_tokens=500)
+
+    def interrupted():
+        for i, d in enumerate(docs):
+            if i == len(docs) // 2:
+                raise KeyboardInterrupt
+            yield d
+
+    with pytest.raises(KeyboardInterrupt):
+        precompute_hidden_states(llm.llm_engine, interrupted(), tmp_path / "a", settings, progress=False)
+    partial = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert not partial["complete"] and 0 < len(partial["documents"]) < len(docs)
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    precompute_hidden_states(llm.llm_engine, docs, tmp_path / "a", settings, progress=False)
+    precompute_hidden_states(llm.llm_engine, docs, tmp_path / "b", settings, progress=False)
+    a = HiddenStateDataset(tmp_path / "a", "train", 0.3)
+    b = HiddenStateDataset(tmp_path / "b", "train", 0.3)
+    assert a.doc_ids == b.doc_ids and a.num_tokens == b.num_tokens
+    for x, y in zip(a.segments, b.segments):
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    with pytest.raises(ValueError, match="made with"):
+        precompute_hidden_states(llm.llm_engine, docs, tmp_path / "a", _settings(llm, seq_len=32, top_k=4),
+                                 progress=False)
+
+
+def test_split_is_by_document_and_stable():
+    ids = [f"doc{i}" for i in range(2000)]
+    val = [d for d in ids if is_validation(d, 0.1)]
+    assert 150 < len(val) < 250
+    assert val == [d for d in reversed(ids) if is_validation(d, 0.1)][::-1]
+
+
+def test_split_keeps_documents_whole(tiny_data):
+    out, _ = tiny_data
+    train, val = HiddenStateDataset(out, "train", 0.2), HiddenStateDataset(out, "validation", 0.2)
+    assert set(train.doc_ids).isdisjoint(val.doc_ids)
+    assert train.num_tokens + val.num_tokens == sum(s["num_tokens"] for s in train.manifest["shards"])
+
+
+def test_frequent_token_vocab_hand_case():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    assert frequent_token_vocab(counts, 3).tolist() == [2, 3, 5]
+    assert frequent_token_vocab(counts, 4).tolist() == [0, 2, 3, 5]
+    with pytest.raises(ValueError, match="7"):
+        frequent_token_vocab(counts, 7)
+
+
+def test_lr_schedule_hand_computed():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, num_steps=110, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5))           # half way: cos = 0
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    assert lr_at(35, cfg) == pytest.approx(1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25))))
+
+
+def test_bytes_per_token():
+    assert bytes_per_token(1536, 20) == 3072 + 4 + 120
+
+
+@pytest.mark.parametrize("variant,draft_vocab,unroll", [("normed", None, 1), ("eagle", 64, 2)])
+def test_training_lowers_val_loss_and_beats_unigram(tiny_qwen2_dir, tiny_data, tmp_path, variant, draft_vocab, unroll):
+    out, _ = tiny_data
+    loaded = load_model(str(tiny_qwen2_dir))
+    w = loaded.weights
+    lm_head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+    cfg = TrainConfig(variant=variant, draft_vocab_size=draft_vocab, unroll_steps=unroll, num_steps=150, batch_size=8,
+                      lr=2e-3, warmup_steps=10, eval_every=75, val_fraction=0.2, eval_chain=2)
+    summary, _ = train_head(out, tmp_path / "head", loaded.config, w["model.embed_tokens.weight"], lm_head, cfg,
+                         progress=False)
+    before, after = summary["val_before"], summary["val_after"]
+    assert after["loss"] < 0.7 * before["loss"], (before, after)
+    assert after["top1"] > summary["unigram_top1"] + 0.05, summary
+    assert after["chain_top1"][1] > summary["unigram_top1"], summary     # two positions ahead, own features
+    log = [json.loads(line) for line in (tmp_path / "head" / "train_log.jsonl").read_text().splitlines()]
+    assert len(log) == 150 and "val" in log[74] and log[-1]["tokens"] == summary["tokens_seen"]
+    assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+import torch.distributed as dist
+from specserve.models.loader import load_model
+from specserve.training.trainer import TrainConfig, train_head
+data, target, out = sys.argv[1:4]
+loaded = load_model(target)
+w = loaded.weights
+cfg = TrainConfig(num_steps=30, batch_size=2, lr=2e-3, warmup_steps=5, eval_every=30, val_fraction=0.2)
+summary, head = train_head(data, out, loaded.config, w["model.embed_tokens.weight"],
+                           w.get("lm_head.weight", w["model.embed_tokens.weight"]), cfg, progress=False)
+flat = torch.cat([p.detach().flatten() for p in head.parameters()])
+gathered = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
+dist.all_gather(gathered, flat)
+if dist.get_rank() == 0:
+    json.dump({"world": summary["world_size"], "max_diff": max(float((g - flat).abs().max()) for g in gathered),
+               "before": summary["val_before"]["loss"], "after": summary["val_after"]["loss"],
+               "tokens_seen": summary["tokens_seen"]}, open(out + "/ddp.json", "w"))
+"""
+
+
+def test_ddp_training_under_torchrun_keeps_ranks_in_sync(tiny_qwen2_dir, tiny_data, tmp_path):
+    """Two CPU processes (gloo) under torchrun: gradients are averaged, so every rank ends with the
+    same weights; rank 0 writes the head; validation loss falls."""
+    import os
+    import subprocess
+    import sys
+
+    out, _ = tiny_data
+    script = tmp_path / "ddp_train.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(out), str(tiny_qwen2_dir), str(tmp_path / "head")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads((tmp_path / "head" / "ddp.json").read_text())
+    assert r["world"] == 2 and r["max_diff"] == 0.0
+    assert r["after"] < r["before"]
+    assert (tmp_path / "head" / "model.safetensors").is_file()
