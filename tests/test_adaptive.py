@@ -147,6 +147,10 @@ def test_draft_follows_a_prompt_only_when_its_prefill_is_repaid():
     assert ctrl.worth_following(1, 11, 200) and not ctrl.worth_following(1, 10, 200)
     # batch 4 unmeasured: batch 1's saving is its upper bound
     assert ctrl.saving_per_token(4) == pytest.approx(1 - 1.2 / 1.96)
+    # once batch 4's plain step is measured (0.5 s for 4 sequences: 0.125 s per token), its saving
+    # is batch 1's fraction of a token's time, 1 - 1.2/1.96, of 0.125 s
+    ctrl.observe_step(4, 0, 0.5)
+    assert ctrl.saving_per_token(4) == pytest.approx((1 - 1.2 / 1.96) * 0.125)
     ctrl.observe_draft_prefill(100, 4.0)           # EMA 0.3: 0.7 * 0.02 + 0.3 * 0.04 = 0.026 s/token
     assert ctrl.draft_prefill_s_per_token == pytest.approx(0.026)
 

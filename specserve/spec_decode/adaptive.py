@@ -160,15 +160,24 @@ class AdaptiveSpeculation:
     def saving_per_token(self, batch_size: int) -> float | None:
         """Estimated wall seconds a sequence saves per generated token by speculating at
         ``batch_size`` with the best k, against k = 0: ``1/goodput(0) - 1/goodput(best)``; 0 where
-        k = 0 is best. An unmeasured batch size takes the figure of the nearest smaller measured
-        one (an upper bound: verification only gets dearer as the batch grows). None when no batch
-        size at or below this one has measured both k = 0 and the maximum k."""
+        k = 0 is best. An unmeasured batch size takes the *fraction* of a token's time saved at the
+        nearest smaller measured one (an upper bound: verification only gets dearer as the batch
+        grows) times its own measured k = 0 time per token, or the smaller one's when that is
+        unmeasured too. None when no batch size at or below this one has measured both k = 0 and
+        the maximum k."""
         b = self.bucket_of(batch_size)
+        own = self._buckets.get(b)
+        t0_here = own.arms[0].time_per_seq_s if own is not None else None
         for bucket in sorted((x for x in self._buckets if x <= b), reverse=True):
             scores = self._bucket_scores(bucket)
             best = self._best(scores)
-            if best is not None:
-                return 0.0 if best == 0 else 1.0 / scores[0] - 1.0 / scores[best]
+            if best is None:
+                continue
+            if best == 0:
+                return 0.0
+            fraction = 1.0 - scores[0] / scores[best]     # share of a token's time speculation saves
+            t0 = t0_here if t0_here is not None else 1.0 / scores[0]
+            return fraction * t0
         return None
 
     def worth_following(self, batch_size: int, remaining_tokens: int, num_prompt_tokens: int) -> bool:
