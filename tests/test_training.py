@@ -180,3 +180,26 @@ def test_ddp_training_under_torchrun_keeps_ranks_in_sync(tiny_qwen2_dir, tiny_da
     assert r["world"] == 2 and r["max_diff"] == 0.0
     assert r["after"] < r["before"]
     assert (tmp_path / "head" / "model.safetensors").is_file()
+
+
+def test_self_distilled_documents_are_cached_for_a_rerun(tmp_path):
+    """The target's answers are the slow part of corpus building: a rerun with the same settings
+    reads them back instead of generating again."""
+    from types import SimpleNamespace
+
+    from specserve.training.commands import collect_documents
+
+    calls = []
+
+    class StubLLM:
+        def generate(self, prompts, params, use_tqdm=False):
+            calls.append(len(prompts))
+            return [SimpleNamespace(prompt_token_ids=[i, i + 1], outputs=[SimpleNamespace(token_ids=[7] * params.max_tokens)])
+                    for i in range(len(prompts))]
+
+    first = collect_documents(StubLLM(), ["humaneval"], 0, 3, 5, cache_dir=tmp_path)
+    again = collect_documents(StubLLM(), ["humaneval"], 0, 3, 5, cache_dir=tmp_path)
+    assert calls == [3] and again == first
+    assert first[0] == ("humaneval/40", [0, 1, 7, 7, 7, 7, 7])   # the first 40 prompts are held out
+    collect_documents(StubLLM(), ["humaneval"], 0, 3, 6, cache_dir=tmp_path)   # other settings: generated
+    assert calls == [3, 3]

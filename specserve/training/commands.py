@@ -63,16 +63,30 @@ def _slug(name: str) -> str:
 
 
 def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_distill_docs: int | None,
-                      self_distill_tokens: int) -> list[tuple[str, list[int]]]:
-    """Every document of the chosen corpora, tokenized."""
+                      self_distill_tokens: int, cache_dir: Path | None = None) -> list[tuple[str, list[int]]]:
+    """Every document of the chosen corpora, tokenized. Self-distilled documents (the slow part:
+    the target generates them) are kept in ``cache_dir`` and reused by a rerun with the same
+    settings."""
     from specserve.training.corpus import self_distill_documents, stdlib_documents
 
     docs = []
     for c in corpora:
         if c == "stdlib":
             docs += list(stdlib_documents(llm.get_tokenizer(), max_tokens=max_corpus_tokens))
-        else:
-            docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs)
+            continue
+        cache = None
+        if cache_dir is not None:
+            cache = Path(cache_dir) / f"selfdistill_{c}_{self_distill_tokens}tok_{self_distill_docs or 'all'}.jsonl"
+        if cache is not None and cache.is_file():
+            docs += [(d["doc_id"], d["token_ids"]) for d in map(json.loads, cache.read_text().splitlines())]
+            continue
+        new = self_distill_documents(llm, c, self_distill_tokens, self_distill_docs)
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps({"doc_id": d, "token_ids": ids}) + "\n" for d, ids in new))
+            tmp.replace(cache)
+        docs += new
     return docs
 
 
@@ -96,7 +110,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     if not complete:
         llm = LLM(args.target, dtype=args.dtype)
         mc = llm.llm_engine.model_config
-        docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens)
+        docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens,
+                                 cache_dir=data_dir)
         settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k)
         precompute_hidden_states(llm.llm_engine, docs, data_dir, settings,
                                  total_tokens=sum(len(ids) for _, ids in docs))
