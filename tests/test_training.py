@@ -203,3 +203,16 @@ def test_self_distilled_documents_are_cached_for_a_rerun(tmp_path):
     assert first[0] == ("humaneval/40", [0, 1, 7, 7, 7, 7, 7])   # the first 40 prompts are held out
     collect_documents(StubLLM(), ["humaneval"], 0, 3, 6, cache_dir=tmp_path)   # other settings: generated
     assert calls == [3, 3]
+
+
+def test_training_plot_from_logs(tmp_path):
+    pytest.importorskip("matplotlib")
+    from specserve.training.plot import read_log, write_training_plot
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "tokens": 1000 * s, "loss": 1.0,
+                                       **({"val": {"loss": 2.0 / s, "top1": 0.1 * s, "chain_top1": [0.1 * s, 0.05 * s]}}
+                                          if s % 2 == 0 else {})}) + "\n" for s in range(1, 7)))
+    assert [r["step"] for r in read_log(log)] == [2, 4, 6]
+    assert write_training_plot({"a": log, "b": log}, tmp_path / "p.png") is None
+    assert (tmp_path / "p.png").stat().st_size > 1000

@@ -94,6 +94,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     from specserve.entrypoints.llm import LLM
     from specserve.models.loader import load_model
     from specserve.training.hidden_states import PrecomputeSettings, precompute_hidden_states, read_manifest
+    from specserve.training.plot import write_training_plot
     from specserve.training.trainer import train_head
 
     corpora = [c.strip() for c in args.corpus.split(",") if c.strip()]
@@ -123,6 +124,9 @@ def run_train_head(args: argparse.Namespace) -> int:
     embed = w["model.embed_tokens.weight"]
     summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg)
     del loaded, w, embed, head
+    note = write_training_plot({args.variant: out / "train_log.jsonl"}, out / "train_curves.png")
+    if note:
+        print(note, flush=True)
     after = summary["val_after"]
     print(f"head written to {out}: validation loss {summary['val_before']['loss']:.4f} -> {after['loss']:.4f}, "
           f"top-1 {after['top1']:.3f} (unigram baseline {summary['unigram_top1']:.3f}), "
