@@ -102,6 +102,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     if bad or not corpora:
         raise ValueError(f"--corpus must list some of {CORPORA}, got {args.corpus!r}")
     cfg = TrainConfig(variant=args.variant, **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
+    if not 0 <= args.eval_prompts <= HUMANEVAL_EVAL_PROMPTS:   # checked now, not after the training
+        raise ValueError(f"--eval-prompts must be in [0, {HUMANEVAL_EVAL_PROMPTS}], got {args.eval_prompts}")
     data_dir = Path(args.data_dir or Path("head-data") / _slug(args.target))
     out = Path(args.out or Path("heads") / f"{_slug(args.target)}-{args.variant}")
     try:
@@ -144,8 +146,8 @@ def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dty
     from specserve.training.evaluate import evaluate_head_in_engine
 
     if not 1 <= num_prompts <= HUMANEVAL_EVAL_PROMPTS:
-        raise ValueError(f"--eval-prompts must be in [1, {HUMANEVAL_EVAL_PROMPTS}] (held-out HumanEval prompts), "
-                         f"got {num_prompts}")
+        raise ValueError(f"the number of evaluation prompts (--eval-prompts / --num-prompts) must be in "
+                         f"[1, {HUMANEVAL_EVAL_PROMPTS}] (the held-out HumanEval prompts), got {num_prompts}")
     result = evaluate_head_in_engine(target, head, humaneval_prompts(num_prompts), k, max_tokens, dtype)
     print(f"engine evaluation ({num_prompts} held-out HumanEval prompts, k={k}, greedy): acceptance length "
           f"{result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, chain accuracy "
