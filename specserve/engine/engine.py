@@ -216,14 +216,14 @@ class LLMEngine:
         k = None
         if self.proposer is not None and sched.is_decode_only:
             reqs = [s.request for s in sched.scheduled]
+            eligible = [self._draft_keeps_up(r) for r in reqs]
             if self.spec_controller is not None:
-                all_can_draft = all(self._draft_keeps_up(r) for r in reqs)
-                k = self.spec_controller.choose(len(reqs), all_can_draft)
+                k = self.spec_controller.choose(len(reqs), all(eligible))
             else:
                 k = k_max
             steady = True
             if k > 0:
-                advanced, steady = self._speculative_step(reqs, k)
+                advanced, steady = self._speculative_step(reqs, eligible, k)
             else:
                 advanced = self._sampling_step(sched)
             if self.spec_controller is not None:
@@ -306,12 +306,11 @@ class LLMEngine:
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
         return max(0, k)
 
-    def _speculative_step(self, reqs: list[Request], k: int) -> tuple[list[Request], bool]:
+    def _speculative_step(self, reqs: list[Request], eligible: list[bool], k: int) -> tuple[list[Request], bool]:
         """catch up -> propose -> verify (one target forward over k+1 tokens per sequence) -> accept
         -> commit. Returns the requests and whether the step was steady: the proposer caught up
         over no more than what the last speculative step left (bonus/recovered token + last draft)."""
         t0 = time.perf_counter()
-        eligible = [self._draft_keeps_up(r) for r in reqs]
         caught_up = self.proposer.catch_up([r for r, e in zip(reqs, eligible) if e])
         ks = [self._num_draft_tokens(r, k) if e else 0 for r, e in zip(reqs, eligible)]
         # a step timed as k's cost: every sequence could draft and some did, after no more

@@ -189,6 +189,8 @@ class DraftHead(nn.Module):
             self.shared_head = nn.Module()
             self.shared_head.norm = RMSNorm(h, eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max(config.max_position_embeddings, 1))
+        self.paged_attention = TorchAttentionBackend(config.num_attention_heads, config.num_key_value_heads,
+                                                     config.head_dim)
         n = config.draft_vocab_size or config.vocab_size
         self.register_buffer("draft_to_target", torch.arange(n, dtype=torch.int64))
         # the target's, frozen: plain attributes, so they are neither saved, trained, moved by
@@ -229,6 +231,12 @@ class DraftHead(nn.Module):
         self.draft_to_target.copy_(ids)
         if self._full_lm_head is not None:
             self.lm_head_weight = self._full_lm_head.index_select(0, ids.to(self._full_lm_head.device))
+
+    def target_to_draft(self) -> torch.Tensor:
+        """``[V]`` int64: each target token's index in the draft vocabulary, -1 where it has none."""
+        out = torch.full((self.config.vocab_size,), -1, dtype=torch.int64, device=self.draft_to_target.device)
+        out[self.draft_to_target] = torch.arange(self.draft_to_target.numel(), device=out.device)
+        return out
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_weight is None:
@@ -278,8 +286,7 @@ class DraftHead(nn.Module):
                                                  enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads)
             out = out.transpose(1, 2).reshape(*lead, -1)
         else:
-            backend = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-            out = backend.forward(q, k, v, kv.key_cache, kv.value_cache, kv.md).reshape(*lead, -1)
+            out = self.paged_attention.forward(q, k, v, kv.key_cache, kv.value_cache, kv.md).reshape(*lead, -1)
         return self.self_attn.o_proj(out)
 
     def compute_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:

@@ -59,8 +59,8 @@ class AdaptiveSpeculation:
         min_gain: speculation runs only where its estimated goodput beats no speculation's by this
             factor, a margin for measurement noise (the draft's prompt prefill is weighed on its
             own, per request, by :meth:`worth_following`). At 1.3 a batch-1 server flipped
-            speculation off and on as single k = 2 steps measured 0.42-0.55 s (1.5B target, 0.5B
-            draft, 2-core CPU) and lost its gain.
+            speculation off and on as its k = 2 step-time estimate moved between 0.42 and 0.55 s
+            (1.5B target, 0.5B draft, 2-core CPU) and lost its gain.
         prior_acceptance: assumed per-draft acceptance before any is measured.
     """
 

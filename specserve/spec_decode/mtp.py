@@ -39,6 +39,11 @@ class _HeadState:
     last_hidden: torch.Tensor | None = None   # [H] the head's prediction behind `logits`
     chain_hidden: torch.Tensor | None = None  # [H] the head's latest prediction while drafting
 
+    @property
+    def known(self) -> int:
+        """Positions below this have target hidden states (consumed or buffered)."""
+        return self.first + sum(h.shape[0] for h in self.hidden)
+
 
 class MTPProposer(ChainProposer):
     """Args:
@@ -74,8 +79,7 @@ class MTPProposer(ChainProposer):
     def observe_target_hidden_states(self, req: Request, first_position: int, hidden: torch.Tensor) -> None:
         """The target computed positions ``first_position ...`` of ``req``: ``hidden [n, H]``."""
         st = self._state(req)
-        end = st.first + sum(h.shape[0] for h in st.hidden)
-        if first_position != end:   # a gap or overlap (recompute after preemption): start over here
+        if first_position != st.known:   # a gap or overlap (recompute after preemption): start over here
             st.hidden, st.first = [], first_position
         st.hidden.append(hidden.detach())
 
@@ -97,14 +101,15 @@ class MTPProposer(ChainProposer):
             return 0
         return max(0, self.max_position - req.num_tokens)
 
-    def _run(self, hidden: torch.Tensor, token_ids: list[int], positions: list[int], reqs: list[Request],
+    def _run(self, hidden: torch.Tensor, token_ids: list[int], reqs: list[Request], starts: list[int],
              lens: list[int]) -> torch.Tensor:
-        """One head forward over rows of several sequences; returns predicted hidden ``[T, H]``."""
-        md = AttentionMetadata.build([self.block_manager.block_table(r.seq_id) for r in reqs],
-                                     [p for p in _firsts(positions, lens)], lens, self.block_manager.block_size,
-                                     device=self.device)
+        """One head forward over ``lens[b]`` rows of each sequence from position ``starts[b]``;
+        returns predicted hidden states ``[sum(lens), H]``."""
+        md = AttentionMetadata.build([self.block_manager.block_table(r.seq_id) for r in reqs], starts, lens,
+                                     self.block_manager.block_size, device=self.device)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        pos = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.int64,
+                           device=self.device)
         with torch.inference_mode():
             return self.head(hidden.to(self.device, next(self.head.parameters()).dtype), ids, pos,
                              PagedKV(self.kv.key_cache[0], self.kv.value_cache[0], md))
@@ -120,21 +125,20 @@ class MTPProposer(ChainProposer):
         return full
 
     def catch_up(self, reqs: list[Request]) -> int:
-        rows_h, tokens, positions, todo, lens = [], [], [], [], []
+        rows_h, tokens, starts, todo, lens = [], [], [], [], []
         for req in reqs:
             st = self._state(req)
-            known = st.first + sum(h.shape[0] for h in st.hidden)   # target hidden states up to here
-            end = min(known, req.num_tokens - 1)                    # pairs need the next token too
+            end = min(st.known, req.num_tokens - 1)   # pairs need the next token too
             if end <= st.num_computed or end > self.max_position:
                 continue
             rows_h.append(self._take_hidden(st, st.num_computed, end))
             tokens.extend(req.all_token_ids[st.num_computed + 1:end + 1])
-            positions.extend(range(st.num_computed, end))
+            starts.append(st.num_computed)
             lens.append(end - st.num_computed)
             todo.append((req, st, end))
         if not todo:
             return 0
-        out = self._run(torch.cat(rows_h), tokens, positions, [r for r, _, _ in todo], lens)
+        out = self._run(torch.cat(rows_h), tokens, [r for r, _, _ in todo], starts, lens)
         last = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
         logits = self._target_logits(out[last])
         for i, (req, st, end) in enumerate(todo):
@@ -156,7 +160,7 @@ class MTPProposer(ChainProposer):
         # the head on its own previous prediction and draft j-1, at draft j-1's position - 1
         states = [self._state(reqs[i]) for i in active]
         out = self._run(torch.stack([st.chain_hidden for st in states]), [histories[i][-1] for i in active],
-                        [reqs[i].num_tokens - 2 + j for i in active], [reqs[i] for i in active], [1] * len(active))
+                        [reqs[i] for i in active], [reqs[i].num_tokens - 2 + j for i in active], [1] * len(active))
         for n, st in enumerate(states):
             st.chain_hidden = out[n]
         return self._target_logits(out)
@@ -168,10 +172,3 @@ class MTPProposer(ChainProposer):
     def reset(self, req: Request) -> None:
         self.states.pop(req.seq_id, None)
 
-
-def _firsts(positions: list[int], lens: list[int]) -> list[int]:
-    out, i = [], 0
-    for n in lens:
-        out.append(positions[i])
-        i += n
-    return out

@@ -177,8 +177,6 @@ def run_eval_head(args: argparse.Namespace) -> int:
               "engine": _eval(args.target, args.head, args.num_prompts, args.num_speculative_tokens,
                               args.max_tokens, args.dtype)}
     if args.data_dir:
-        import torch
-
         from specserve.training.dataset import HiddenStateDataset
         from specserve.training.trainer import evaluate
 
@@ -188,11 +186,9 @@ def run_eval_head(args: argparse.Namespace) -> int:
         w = loaded.weights
         head.attach_target(w["model.embed_tokens.weight"].float(),
                            w.get("lm_head.weight", w["model.embed_tokens.weight"]).float())
-        t2d = torch.full((head.config.vocab_size,), -1, dtype=torch.int64)
-        t2d[head.draft_to_target] = torch.arange(head.draft_to_target.numel())
         cfg = TrainConfig(variant=head.config.variant, eval_chain=args.num_speculative_tokens)
         val = HiddenStateDataset(args.data_dir, "validation", args.val_fraction)
-        result["validation"] = evaluate(head, val, cfg, t2d)
+        result["validation"] = evaluate(head, val, cfg, head.target_to_draft())
         v = result["validation"]
         print(f"validation ({val.num_tokens} tokens): loss {v['loss']:.4f}, top-1 {v['top1']:.3f}, "
               f"chain top-1 {[round(x, 3) for x in v['chain_top1']]}", flush=True)

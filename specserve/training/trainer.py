@@ -230,8 +230,7 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     if cfg.draft_vocab_size is not None:
         head.set_draft_vocab(frequent_token_vocab(train.token_counts(target_config.vocab_size), cfg.draft_vocab_size))
     head.to(device).attach_target(embed_weight.to(device, torch.float32), lm_head_weight.to(device, torch.float32))
-    target_to_draft = torch.full((target_config.vocab_size,), -1, dtype=torch.int64, device=device)
-    target_to_draft[head.draft_to_target] = torch.arange(head.draft_to_target.numel(), device=device)
+    target_to_draft = head.target_to_draft()
     model = HeadLoss(head, cfg, target_to_draft)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
