@@ -145,14 +145,48 @@ def test_draft_follows_a_prompt_only_when_its_prefill_is_repaid():
     ctrl.observe_draft_prefill(100, 2.0)
     assert ctrl.draft_prefill_s_per_token == pytest.approx(0.02)
     assert ctrl.worth_following(1, 11, 200) and not ctrl.worth_following(1, 10, 200)
-    # batch 4 unmeasured: batch 1's saving is its upper bound
-    assert ctrl.saving_per_token(4) == pytest.approx(1 - 1.2 / 1.96)
-    # once batch 4's plain step is measured (0.5 s for 4 sequences: 0.125 s per token), its saving
-    # is batch 1's fraction of a token's time, 1 - 1.2/1.96, of 0.125 s
-    ctrl.observe_step(4, 0, 0.5)
-    assert ctrl.saving_per_token(4) == pytest.approx((1 - 1.2 / 1.96) * 0.125)
     ctrl.observe_draft_prefill(100, 4.0)           # EMA 0.3: 0.7 * 0.02 + 0.3 * 0.04 = 0.026 s/token
     assert ctrl.draft_prefill_s_per_token == pytest.approx(0.026)
+
+
+def test_unmeasured_batch_size_waits_then_extrapolates():
+    """Batch 1 measured (plain step 1.0 s, k = 2 step 1.2 s, E(2) = 1.96: speculation on). Batch 2 or
+    4 unmeasured: the follow decision waits (None). Once batch 2's plain step is timed at 1.1 s, a
+    token costs 0.1 s more per extra sequence, so its k = 2 step is 1.2 + 0.1 * 3 * (2 - 1) = 1.5 s:
+    goodput 2 * 1.96 / 1.5 = 2.6133 against 2 / 1.1 = 1.8182 (1.44x, above 1.3): on, saving
+    1/1.8182 - 1/2.6133 = 0.16735 s per token. Batch 4's plain step at 1.6 s: a token costs 0.2 s
+    more per sequence, k = 2 step 1.2 + 0.2 * 3 * 3 = 3.0 s, goodput 4 * 1.96 / 3.0 = 2.6133
+    against 4 / 1.6 = 2.5 (1.045x): off, so the draft does not follow and k = 2 is not explored."""
+    ctrl = AdaptiveSpeculation(2)
+    ctrl.observe_step(1, 0, 1.0)
+    ctrl.observe_step(1, 2, 1.2)
+    assert ctrl.worth_following(2, 100, 10) is None and ctrl.worth_following(4, 100, 10) is None
+    ctrl.observe_step(2, 0, 1.1)
+    assert ctrl.saving_per_token(2) == pytest.approx(0.16735, abs=1e-5)
+    assert ctrl.worth_following(2, 100, 10) is True
+    assert ctrl.choose(2) == 2                    # the extrapolation says on: k = 2 gets measured
+    ctrl.observe_step(4, 0, 1.6)
+    assert ctrl.saving_per_token(4) == 0.0 and ctrl.worth_following(4, 1000, 1) is False
+    assert ctrl.choose(4) == 0
+    # nothing measured below batch 1: the draft follows, so speculation gets measured somewhere
+    assert AdaptiveSpeculation(2).worth_following(1, 10, 1000) is True
+
+
+def test_hysteresis():
+    """Speculation switches on above min_gain (1.3) and stays on down to keep_gain (1.05)."""
+    ctrl = AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9)
+    e1 = ctrl.expected_tokens(1)                  # 1.6 with the prior alone
+    ctrl.observe_step(1, 0, 1.0)
+    ctrl.observe_step(1, 1, e1 / 1.2)             # 1.2x: not enough to switch on
+    assert ctrl.choose(1) == 0
+    ctrl.observe_step(1, 1, e1 / 1.4)             # 1.4x: on
+    assert ctrl.choose(1) == 1
+    ctrl.observe_step(1, 1, e1 / 1.2)             # 1.2x again: stays on
+    assert ctrl.choose(1) == 1 and ctrl.saving_per_token(1) == pytest.approx(1 - 1 / 1.2)
+    ctrl.observe_step(1, 1, e1 / 1.0)             # 1.0x: off
+    assert ctrl.choose(1) == 0 and ctrl.saving_per_token(1) == 0.0
+    with pytest.raises(ValueError, match="keep_gain"):
+        AdaptiveSpeculation(2, keep_gain=1.5)
 
 
 def test_engine_draft_skips_prompts_speculation_would_not_repay(tiny_qwen2_dir, tmp_path):
@@ -189,3 +223,34 @@ def test_unmeasurable_speculation_is_not_explored():
     assert ctrl.choose(16, all_can_draft=True) == 2           # now measurable: explored
     assert ctrl.choose(16, all_can_draft=False) == 0          # the draft lost a sequence: dropped
     assert ctrl._bucket(16).explore is None
+
+
+@pytest.mark.parametrize("later", [True, False])
+def test_engine_deferred_draft_prefill(tiny_qwen2_dir, tmp_path, later):
+    """A follow decision the controller cannot make yet (None) leaves the prompt to the target
+    alone; a later decode step asks again: on True the draft catches up over the prompt and the
+    tokens decoded so far and speculation starts, on False it never drafts. Output is the target's."""
+    draft = tmp_path / "draft"
+    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(tiny_qwen2_dir).generate(prompts, params)
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
+                                                   "num_speculative_tokens": 2})
+    engine = spec.llm_engine
+    ctrl = engine.spec_controller
+    calls = []
+
+    def worth_following(batch_size, remaining_tokens, num_prompt_tokens):
+        calls.append(num_prompt_tokens)
+        return None if len(calls) <= 6 else later   # each request asked at prefill + one decode step
+
+    ctrl.worth_following = worth_following
+    out = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert calls[:3] == [5, 40, 17]                 # asked at the prefill, about the whole prompt
+    assert calls[6] > 5                             # asked again later: the prompt + decoded tokens
+    assert (engine.spec_stats.num_draft_tokens > 0) == later
+    assert (ctrl.draft_prefill_s_per_token is not None) == later
+    assert not engine._draft_deferred
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -123,6 +123,8 @@ class LLMEngine:
         self.requests: dict[str, list[Request]] = {}
         self.last_step_stats: StepStats | None = None
         self._step_acceptance: list[tuple[int, int]] = []
+        # seq_id -> request whose draft prefill waits for the controller's estimate at its batch size
+        self._draft_deferred: dict[int, Request] = {}
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
 
@@ -208,6 +210,7 @@ class LLMEngine:
         if self.proposer is not None:
             for req in sched.preempted:
                 self.proposer.reset(req)
+                self._draft_deferred.pop(req.seq_id, None)
         if not sched.scheduled:
             self.last_step_stats = None
             return []
@@ -216,6 +219,9 @@ class LLMEngine:
         k = None
         if self.proposer is not None and sched.is_decode_only:
             reqs = [s.request for s in sched.scheduled]
+            if self._draft_deferred:
+                self._follow_deferred(reqs)
+                t0 = time.perf_counter()   # the draft's late prefill is its own cost, not the step's
             eligible = [self._draft_keeps_up(r) for r in reqs]
             if self.spec_controller is not None:
                 k = self.spec_controller.choose(len(reqs), all(eligible))
@@ -233,16 +239,14 @@ class LLMEngine:
             # later is expected to repay the draft's prefill
             follow = []
             if self.proposer is not None:
-                follow = [s.request for s in sched.scheduled if self._draft_should_follow(s.request)]
+                for s in sched.scheduled:
+                    decision = self._draft_should_follow(s.request)
+                    if decision:
+                        follow.append(s.request)
+                    elif decision is None:
+                        self._draft_deferred[s.request.seq_id] = s.request
             advanced = self._sampling_step(sched)
-            follow = [r for r in follow if not r.is_finished]
-            if follow:
-                t_draft = time.perf_counter()
-                before = sum(self.proposer.num_computed_tokens(r) for r in follow)
-                self.proposer.catch_up(follow)
-                if self.spec_controller is not None:
-                    done = sum(self.proposer.num_computed_tokens(r) for r in follow) - before
-                    self.spec_controller.observe_draft_prefill(done, time.perf_counter() - t_draft)
+            self._draft_prefill([r for r in follow if not r.is_finished])
         self.last_step_stats = StepStats(
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting), len(sched.preempted),
             self.block_manager.usage, k, self._step_acceptance, time.perf_counter() - t0)
@@ -274,15 +278,48 @@ class LLMEngine:
     def _proposer_reads_hidden(self) -> bool:
         return self.proposer is not None and self.proposer.uses_target_hidden_states
 
-    def _draft_should_follow(self, req: Request) -> bool:
+    def _draft_prefill(self, reqs: list[Request]) -> None:
+        """The draft catches up over ``reqs``' prompts (and tokens decoded without it); the
+        controller learns the cost per token."""
+        if not reqs:
+            return
+        t0 = time.perf_counter()
+        before = sum(self.proposer.num_computed_tokens(r) for r in reqs)
+        self.proposer.catch_up(reqs)
+        if self.spec_controller is not None:
+            done = sum(self.proposer.num_computed_tokens(r) for r in reqs) - before
+            self.spec_controller.observe_draft_prefill(done, time.perf_counter() - t0)
+
+    def _follow_deferred(self, reqs: list[Request]) -> None:
+        """Decide the draft prefills that waited for an estimate at this batch size: the draft
+        catches up now over the requests worth following; those not worth it are dropped."""
+        follow = []
+        for req in reqs:
+            if req.seq_id not in self._draft_deferred:
+                continue
+            decision = self._follow_decision(req, len(reqs))
+            if decision is not None:
+                del self._draft_deferred[req.seq_id]
+                if decision:
+                    follow.append(req)
+        self._draft_prefill(follow)
+
+    def _draft_should_follow(self, req: Request) -> bool | None:
         """Whether the draft prefills along with ``req`` in this prefill/mixed step: it must not
         have fallen behind, and the controller must expect speculation to repay the prefill
-        (always, for a proposer whose catch-up is cheap: a one-layer head)."""
+        (always, for a proposer whose catch-up is cheap: a one-layer head). None: the controller
+        cannot tell yet at this batch size; the request waits in ``_draft_deferred``."""
+        if req.seq_id in self._draft_deferred:
+            return None
         if not self._draft_keeps_up(req):
             return False
         if self.spec_controller is None or self.proposer.cheap_catch_up:
             return True
         batch_size = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.config.max_num_seqs)
+        return self._follow_decision(req, batch_size)
+
+    def _follow_decision(self, req: Request, batch_size: int) -> bool | None:
+        """The controller's :meth:`~AdaptiveSpeculation.worth_following` for ``req``."""
         remaining = self.max_model_len - req.num_tokens
         if req.params.max_tokens is not None:
             remaining = min(remaining, req.params.max_tokens - len(req.output_token_ids))
@@ -442,6 +479,7 @@ class LLMEngine:
         req.finish(reason, stop_reason)
         if self.proposer is not None:
             self.proposer.reset(req)
+            self._draft_deferred.pop(req.seq_id, None)
 
     # ------------------------------------------------------------------ outputs
     def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:

@@ -14,14 +14,23 @@ decode steps (draft, verify, sampling, commit) kept per batch-size bucket and k,
 A k never measured in a bucket is estimated by linear interpolation in k between measured ones;
 before any measurement the bucket tries k = 0 and the configured maximum first. Every
 ``explore_interval`` steps the runner-up is measured again when its estimate comes within
-``explore_margin`` of the bar it must clear, so estimates follow a growing context. Speculation
-must beat k = 0 by ``min_gain`` (1.15).
+``explore_margin`` of the bar it must clear, so estimates follow a growing context.
+
+Speculation switches on in a bucket only where its estimated goodput beats k = 0's by ``min_gain``
+(1.3) and, once on, stays on while it beats it by ``keep_gain`` (1.05): single k > 0 step times
+vary by +-15% on a busy CPU, and one threshold between them made a batch-1 server flip
+speculation off on noise, while a low single threshold let it run where it barely paid and the
+draft's prompt prefill then made the server slower.
 
 The draft's prefill of each new prompt is not part of a decode step, yet it is the largest cost
 of speculating in a busy server (for a 0.5B draft of a 1.5B target, a third of the target's own
 prefill). :meth:`worth_following` lets the draft prefill a prompt only when the request's
-remaining tokens times the measured per-token saving repay the measured prefill cost. A sequence
-the draft did not follow decodes without speculation: catching up later would be that prefill.
+remaining tokens times the estimated per-token saving repay the measured prefill cost. At a batch
+size not measured yet, the decision waits (the draft follows later, catching up in one go) until
+the batch's plain step is timed: the cost of a k-draft step there is then extrapolated from a
+smaller measured batch, linearly in the tokens the target verifies (on a CPU every extra token
+costs about the same compute once weights are read). A sequence the draft did not follow decodes
+without speculation.
 
 Steps whose cost is not k's own (the draft catching up over a whole prompt, or over the tokens
 decoded while speculation was off) are counted but not timed: the engine passes ``steady=False``.
@@ -41,6 +50,8 @@ class _Arm:
 class _Bucket:
     arms: list[_Arm]
     steps: int = 0
+    batch_size: float = 0.0                # EMA of the batch sizes timed in this bucket
+    speculating: bool = False              # the last decision by estimate chose a k > 0
     explore: int | None = None             # an arm being measured: run it twice, record the second
     explore_left: int = 0
 
@@ -56,11 +67,13 @@ class AdaptiveSpeculation:
         explore_interval: decode steps of a bucket between re-measurements of the runner-up.
         explore_margin: the runner-up is re-measured only if its estimated goodput is at least this
             fraction of the best one's.
-        min_gain: speculation runs only where its estimated goodput beats no speculation's by this
-            factor, a margin for measurement noise (the draft's prompt prefill is weighed on its
-            own, per request, by :meth:`worth_following`). At 1.3 a batch-1 server flipped
-            speculation off and on as its k = 2 step-time estimate moved between 0.42 and 0.55 s
-            (1.5B target, 0.5B draft, 2-core CPU) and lost its gain.
+        min_gain: speculation switches on in a bucket only where its estimated goodput beats no
+            speculation's by this factor, a margin for measurement noise and for costs outside
+            decode steps (the draft's prompt prefill is also weighed per request, by
+            :meth:`worth_following`).
+        keep_gain: once on, speculation stays on while its estimate beats k = 0 by this factor
+            (hysteresis: a batch-1 server with one threshold of 1.3 flipped speculation off as its
+            k = 2 step-time estimate moved between 0.42 and 0.55 s, 1.5B target, 0.5B draft).
         prior_acceptance: assumed per-draft acceptance before any is measured.
     """
 
@@ -69,7 +82,8 @@ class AdaptiveSpeculation:
     decay: float = 0.98
     explore_interval: int = 16
     explore_margin: float = 0.9
-    min_gain: float = 1.15
+    min_gain: float = 1.3
+    keep_gain: float = 1.05
     prior_acceptance: float = 0.6
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
     _accepted: list[float] = field(default_factory=list)   # [max_k] decayed count: first j+1 drafts accepted
@@ -80,6 +94,8 @@ class AdaptiveSpeculation:
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}")
+        if not 0 < self.keep_gain <= self.min_gain:
+            raise ValueError(f"keep_gain must be in (0, min_gain={self.min_gain}], got {self.keep_gain}")
         self._accepted = [0.0] * self.max_k
         self._drafted = [0.0] * self.max_k
         self.chosen_counts = [0] * (self.max_k + 1)
@@ -134,53 +150,89 @@ class AdaptiveSpeculation:
         return None if t is None or t <= 0 else self.expected_tokens(k) / t
 
     # ------------------------------------------------------------------ decisions
-    def _best(self, scores: list[float | None]) -> int | None:
-        """The k to run given goodput estimates: speculation must beat k = 0 by ``min_gain``
-        (measurement noise and the draft's prompt prefill are not in the estimates)."""
+    def _best(self, scores: list[float | None], speculating: bool = False) -> int | None:
+        """The k to run given goodput estimates: speculation must beat k = 0 by ``min_gain`` to
+        switch on, by ``keep_gain`` to stay on (``speculating``); None while k = 0 or the maximum
+        k is unmeasured."""
         if scores[0] is None or scores[self.max_k] is None:
             return None
         best = max(range(1, self.max_k + 1), key=lambda k: scores[k] if scores[k] is not None else -1.0)
-        return best if scores[best] is not None and scores[best] >= self.min_gain * scores[0] else 0
+        bar = self.keep_gain if speculating else self.min_gain
+        return best if scores[best] is not None and scores[best] >= bar * scores[0] else 0
 
     def _bucket_scores(self, b: int) -> list[float | None]:
         return [self.goodput_in(self._buckets[b], k) for k in range(self.max_k + 1)]
 
+    def _measured_below(self, b: int) -> int | None:
+        """The largest bucket below ``b`` that has measured both k = 0 and the maximum k."""
+        return next((x for x in sorted(self._buckets, reverse=True)
+                     if x < b and self._best(self._bucket_scores(x)) is not None), None)
+
+    def _extrapolated_scores(self, b: int) -> list[float | None] | None:
+        """Goodput estimates for bucket ``b`` whose k = 0 is measured but whose maximum k is not:
+        a k-draft step costs the nearest smaller measured bucket's k-draft step plus, for each
+        extra sequence, (k + 1) tokens at the marginal per-token cost that the two buckets' plain
+        steps show. None when that is not computable."""
+        own = self._buckets.get(b)
+        below = self._measured_below(b)
+        if own is None or own.arms[0].time_per_seq_s is None or below is None:
+            return None
+        small = self._buckets[below]
+        n, n_small = own.batch_size, small.batch_size
+        if n <= n_small:
+            return None
+        t0 = own.arms[0].time_per_seq_s * n
+        marginal = max(0.0, (t0 - small.arms[0].time_per_seq_s * n_small) / (n - n_small))
+        scores: list[float | None] = [self.expected_tokens(0) * n / t0]
+        for k in range(1, self.max_k + 1):
+            tk = self._time_in(small, k) * n_small + marginal * (k + 1) * (n - n_small)
+            scores.append(self.expected_tokens(k) * n / tk)
+        return scores
+
+    def _decision(self, b: int) -> int | None:
+        """The k bucket ``b``'s estimates choose (measured, else extrapolated); None if unknown."""
+        own = self._buckets.get(b)
+        if own is not None:
+            best = self._best(self._bucket_scores(b), own.speculating)
+            if best is not None:
+                return best
+        scores = self._extrapolated_scores(b)
+        return None if scores is None else self._best(scores)
+
     def _presumed_off(self, batch_size: int) -> bool:
-        """True when this bucket has not measured speculation but a smaller batch already found it
-        not worth it: verification only gets relatively dearer as the batch grows."""
+        """True when this bucket has not measured speculation but its estimate (extrapolated from
+        its plain step, or else a smaller batch's decision) says it does not pay: verification
+        only gets relatively dearer as the batch grows."""
         b = self.bucket_of(batch_size)
         if self._bucket(batch_size).arms[self.max_k].time_per_seq_s is not None:
             return False
-        for smaller in sorted((x for x in self._buckets if x < b), reverse=True):
-            best = self._best(self._bucket_scores(smaller))
-            if best is not None:
-                return best == 0
-        return False
+        decision = self._decision(b)
+        if decision is None:
+            below = self._measured_below(b)
+            decision = None if below is None else self._decision(below)
+        return decision == 0
 
     def saving_per_token(self, batch_size: int) -> float | None:
         """Estimated wall seconds a sequence saves per generated token by speculating at
         ``batch_size`` with the best k, against k = 0: ``1/goodput(0) - 1/goodput(best)``; 0 where
-        k = 0 is best. An unmeasured batch size takes the *fraction* of a token's time saved at the
-        nearest smaller measured one (an upper bound: verification only gets dearer as the batch
-        grows) times its own measured k = 0 time per token, or the smaller one's when that is
-        unmeasured too. None when no batch size at or below this one has measured both k = 0 and
-        the maximum k."""
+        k = 0 is best (or a smaller batch found it best). Measured goodputs where the bucket has
+        them, else extrapolated from its plain step (:meth:`_extrapolated_scores`). None while
+        unknown: this batch size's plain step is unmeasured, or nothing is measured at all."""
         b = self.bucket_of(batch_size)
         own = self._buckets.get(b)
-        t0_here = own.arms[0].time_per_seq_s if own is not None else None
-        for bucket in sorted((x for x in self._buckets if x <= b), reverse=True):
-            scores = self._bucket_scores(bucket)
-            best = self._best(scores)
-            if best is None:
-                continue
-            if best == 0:
-                return 0.0
-            fraction = 1.0 - scores[0] / scores[best]     # share of a token's time speculation saves
-            t0 = t0_here if t0_here is not None else 1.0 / scores[0]
-            return fraction * t0
-        return None
+        scores, best = None, None
+        if own is not None:
+            scores = self._bucket_scores(b)
+            best = self._best(scores, own.speculating)
+        if best is None:
+            scores = self._extrapolated_scores(b)
+            best = None if scores is None else self._best(scores)
+        if best is None:
+            below = self._measured_below(b)
+            return 0.0 if below is not None and self._decision(below) == 0 else None
+        return 0.0 if best == 0 else 1.0 / scores[0] - 1.0 / scores[best]
 
-    def worth_following(self, batch_size: int, remaining_tokens: int, num_prompt_tokens: int) -> bool:
+    def worth_following(self, batch_size: int, remaining_tokens: int, num_prompt_tokens: int) -> bool | None:
         """Whether the draft should prefill a new prompt, so the sequence can speculate later.
 
         The draft's prefill is paid now, in full, by every running sequence; speculation pays back
@@ -192,10 +244,13 @@ class AdaptiveSpeculation:
             batch_size: the number of sequences the request will decode alongside (itself included).
             remaining_tokens: tokens the request may still generate (max_tokens minus its output).
             num_prompt_tokens: tokens the draft would have to prefill.
+        Returns:
+            True / False, or None: not known yet (a smaller batch has measured speculation but
+            this one's plain step is unmeasured); ask again after a few decode steps.
         """
         saving = self.saving_per_token(batch_size)
         if saving is None:
-            return True
+            return None if self._measured_below(self.bucket_of(batch_size)) is not None else True
         if saving <= 0.0:
             return False
         cost = (self.draft_prefill_s_per_token or 0.0) * num_prompt_tokens
@@ -227,7 +282,8 @@ class AdaptiveSpeculation:
             if bucket.arms[k].time_per_seq_s is None:
                 return self._start_explore(bucket, k) if k == 0 or all_can_draft else 0
         scores = {k: self.goodput(batch_size, k) for k in range(self.max_k + 1)}
-        best = self._best([scores[k] for k in range(self.max_k + 1)])
+        best = self._best([scores[k] for k in range(self.max_k + 1)], bucket.speculating)
+        bucket.speculating = best > 0
         if bucket.steps % self.explore_interval == self.explore_interval - 1:
             runner_up = self._runner_up(scores, best)
             if runner_up is not None and (runner_up == 0 or all_can_draft):
@@ -240,7 +296,7 @@ class AdaptiveSpeculation:
         others = sorted((k for k in scores if k != best), key=lambda k: -scores[k])
         if not others:
             return None
-        bar = scores[best] * (self.min_gain if best == 0 else 1.0)
+        bar = scores[best] * (self.min_gain if best == 0 else 1.0)   # k = 0 best: speculation is off
         return others[0] if scores[others[0]] >= self.explore_margin * bar else None
 
     @staticmethod
@@ -264,6 +320,8 @@ class AdaptiveSpeculation:
         if not steady:
             return
         arm = bucket.arms[k]
+        bucket.batch_size = float(batch_size) if bucket.batch_size == 0 else (
+            (1 - self.ema) * bucket.batch_size + self.ema * batch_size)
         per_seq = step_time_s / max(batch_size, 1)
         arm.time_per_seq_s = per_seq if arm.time_per_seq_s is None else (
             (1 - self.ema) * arm.time_per_seq_s + self.ema * per_seq)
