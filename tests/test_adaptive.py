@@ -227,9 +227,10 @@ def test_unmeasurable_speculation_is_not_explored():
 
 @pytest.mark.parametrize("later", [True, False])
 def test_engine_deferred_draft_prefill(tiny_qwen2_dir, tmp_path, later):
-    """A follow decision the controller cannot make yet (None) leaves the prompt to the target
-    alone; a later decode step asks again: on True the draft catches up over the prompt and the
-    tokens decoded so far and speculation starts, on False it never drafts. Output is the target's."""
+    """A new prompt is left to the target alone; the first decode step asks whether the draft
+    should follow, and while the controller cannot tell (None) every later one asks again: on True
+    the draft catches up over the prompt and the tokens decoded so far and speculation starts, on
+    False it never drafts. Output is the target's."""
     draft = tmp_path / "draft"
     make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
@@ -243,13 +244,13 @@ def test_engine_deferred_draft_prefill(tiny_qwen2_dir, tmp_path, later):
 
     def worth_following(batch_size, remaining_tokens, num_prompt_tokens):
         calls.append(num_prompt_tokens)
-        return None if len(calls) <= 6 else later   # each request asked at prefill + one decode step
+        return None if len(calls) <= 6 else later   # each request asked in two decode steps
 
     ctrl.worth_following = worth_following
     out = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
-    assert calls[:3] == [5, 40, 17]                 # asked at the prefill, about the whole prompt
-    assert calls[6] > 5                             # asked again later: the prompt + decoded tokens
+    assert calls[:3] == [6, 41, 18]                 # first asked in a decode step: prompt + 1st token
+    assert calls[6] == 5 + 3                        # asked again: the prompt + the tokens decoded since
     assert (engine.spec_stats.num_draft_tokens > 0) == later
     assert (ctrl.draft_prefill_s_per_token is not None) == later
     assert not engine._draft_deferred

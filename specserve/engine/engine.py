@@ -307,14 +307,19 @@ class LLMEngine:
     def _draft_should_follow(self, req: Request) -> bool | None:
         """Whether the draft prefills along with ``req`` in this prefill/mixed step: it must not
         have fallen behind, and the controller must expect speculation to repay the prefill
-        (always, for a proposer whose catch-up is cheap: a one-layer head). None: the controller
-        cannot tell yet at this batch size; the request waits in ``_draft_deferred``."""
+        (always, for a proposer whose catch-up is cheap: a one-layer head). None: decide later,
+        in the first decode-only step (``_draft_deferred``): always for a prompt the draft has not
+        started, so the draft's prefill never delays the first token and is weighed at the batch
+        size the request really decodes in (requests of one wave arrive a step apart), and
+        whenever the controller cannot tell yet at this batch size."""
         if req.seq_id in self._draft_deferred:
             return None
         if not self._draft_keeps_up(req):
             return False
         if self.spec_controller is None or self.proposer.cheap_catch_up:
             return True
+        if self.proposer.num_computed_tokens(req) == 0:
+            return None
         batch_size = min(len(self.scheduler.running) + len(self.scheduler.waiting), self.scheduler.config.max_num_seqs)
         return self._follow_decision(req, batch_size)
 
