@@ -2,8 +2,11 @@
 
 For each mode (``none``: the server started with ``--no-speculation``; ``spec``: with the draft model
 and k of the engine flags) the benchmark launches ``specserve serve`` as a subprocess, waits for
-``GET /health``, sends one warm-up request, then for each concurrency level c runs ``--num-requests``
-requests with at most c in flight (an asyncio semaphore), and finally stops the server. Request i
+``GET /health`` and sends one warm-up request; then for each concurrency level c it runs
+``--num-requests`` requests with at most c in flight (an asyncio semaphore) on every mode in turn
+before the next level (the servers run side by side and idle while the other is measured, so
+drift of a shared machine over the run hits both modes alike; ``--sequential`` runs one whole
+server after the other, with half the memory), and finally stops the servers. Request i
 sends HumanEval prompt ``i % n`` (mixed prompt lengths) to ``POST /v1/completions`` with
 ``stream: true``, ``temperature: 0``, ``max_tokens`` and ``ignore_eos: true``, so every request
 produces exactly ``--max-tokens`` tokens.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import math
@@ -81,6 +85,10 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default=None,
                    help="benchmark this already running server (e.g. http://127.0.0.1:8000) in one mode, "
                         "launching nothing")
+    p.add_argument("--sequential", action="store_true",
+                   help="run the modes one server after the other (half the memory); by default both servers "
+                        "run side by side, idle in turn, and each concurrency level is measured on every mode "
+                        "before the next level, so machine drift hits the modes alike")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="PNG plot of output tokens/s and TPOT vs concurrency (needs matplotlib)")
@@ -157,7 +165,7 @@ SERVER_FLAGS = ("model", "dtype", "max_model_len", "block_size", "max_num_seqs",
 DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_tokens", "draft_quantization", "no_adaptive_speculation")
 ENGINE_FLAGS = SERVER_FLAGS + DRAFT_FLAGS
 BENCH_FLAGS = ("concurrency", "num_requests", "max_tokens", "port", "modes", "server_timeout", "base_url",
-               "json", "plot")
+               "sequential", "json", "plot")
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -437,6 +445,30 @@ class ServerProcess:
 
 # ----------------------------------------------------------------------------------------- runs
 
+def _start_server(args: argparse.Namespace, mode: str, port: int) -> ServerProcess:
+    argv = server_argv(args, mode, port)
+    log_path = os.path.join(tempfile.gettempdir(), f"specserve-bench-serve-{mode}-{port}.log")
+    print(f"starting: specserve {shlex.join(argv)} (log: {log_path})", file=sys.stderr)
+    return ServerProcess(argv, port, args.server_timeout, log_path)
+
+
+def bench_interleaved(args: argparse.Namespace, modes: list[str], prompts: list[str], levels: list[int]) -> list[dict]:
+    """Every mode's server up at once (ports ``--port``, ``--port`` + 1, ...); each level runs on
+    every mode in turn before the next level, the other servers idle. Returns one run per mode."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_start_server(args, mode, args.port + i)) for i, mode in enumerate(modes)]
+        runs = []
+        for mode, server in zip(modes, servers):
+            run = bench_mode(server.base_url, args.model, prompts, [], args.num_requests, args.max_tokens, mode)
+            run["server_command"] = shlex.join(["specserve"] + server.argv)
+            runs.append(run)
+        for c in levels:
+            for run, server in zip(runs, servers):
+                run["levels"].append(measure_level(server.base_url, run["served_model"], prompts, c,
+                                                   args.num_requests, args.max_tokens, run["mode"]))
+    return runs
+
+
 def bench_mode(base_url: str, model: str, prompts: list[str], levels: list[int], num_requests: int | None,
                max_tokens: int, mode: str) -> dict:
     """Warm-up, then every concurrency level against a healthy server; per-level figures and requests."""
@@ -444,20 +476,26 @@ def bench_mode(base_url: str, model: str, prompts: list[str], levels: list[int],
     asyncio.run(_run_level(base_url, served, prompts, 1, 1, min(WARMUP_TOKENS, max_tokens), f"{mode} warm-up"))
     out = {"mode": mode, "served_model": served, "levels": []}
     for c in levels:
-        n = requests_for(c, num_requests)
-        before = scrape_metrics(base_url)
-        records, wall = asyncio.run(_run_level(base_url, served, prompts, n, c, max_tokens, f"{mode} c={c}"))
-        level = {"concurrency": c, **summarize_level(records, wall),
-                 "spec_decode": spec_metrics_delta(before, scrape_metrics(base_url))}
-        level["requests"] = [{"index": r["index"], "prompt_index": r["prompt_index"],
-                              "ttft_s": None if r["t_first"] is None else r["t_first"] - r["t_sent"],
-                              "tpot_ms": None if request_tpot(r) is None else 1000 * request_tpot(r),
-                              "e2e_s": r["t_done"] - r["t_sent"], "completion_tokens": r["completion_tokens"],
-                              "text": r["text"]} for r in records]
-        out["levels"].append(level)
-        print(f"{mode} c={c}: {level['output_tok_s']:.2f} output tok/s, {level['output_tokens']} tokens "
-              f"in {wall:.1f} s", file=sys.stderr)
+        out["levels"].append(measure_level(base_url, served, prompts, c, num_requests, max_tokens, mode))
     return out
+
+
+def measure_level(base_url: str, served: str, prompts: list[str], c: int, num_requests: int | None,
+                  max_tokens: int, mode: str) -> dict:
+    """One concurrency level against one server: its figures and requests."""
+    n = requests_for(c, num_requests)
+    before = scrape_metrics(base_url)
+    records, wall = asyncio.run(_run_level(base_url, served, prompts, n, c, max_tokens, f"{mode} c={c}"))
+    level = {"concurrency": c, **summarize_level(records, wall),
+             "spec_decode": spec_metrics_delta(before, scrape_metrics(base_url))}
+    level["requests"] = [{"index": r["index"], "prompt_index": r["prompt_index"],
+                          "ttft_s": None if r["t_first"] is None else r["t_first"] - r["t_sent"],
+                          "tpot_ms": None if request_tpot(r) is None else 1000 * request_tpot(r),
+                          "e2e_s": r["t_done"] - r["t_sent"], "completion_tokens": r["completion_tokens"],
+                          "text": r["text"]} for r in records]
+    print(f"{mode} c={c}: {level['output_tok_s']:.2f} output tok/s, {level['output_tokens']} tokens "
+          f"in {wall:.1f} s", file=sys.stderr)
+    return level
 
 
 def mode_texts(run: dict) -> dict[str, str]:
@@ -580,16 +618,15 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         if args.base_url is not None:
             result["runs"].append(bench_mode(args.base_url.rstrip("/"), args.model, prompts, levels,
                                              args.num_requests, args.max_tokens, modes[0]))
-        else:
+        elif args.sequential:
             for mode in modes:
-                argv = server_argv(args, mode, args.port)
-                log_path = os.path.join(tempfile.gettempdir(), f"specserve-bench-serve-{mode}-{args.port}.log")
-                print(f"starting: specserve {shlex.join(argv)} (log: {log_path})", file=sys.stderr)
-                with ServerProcess(argv, args.port, args.server_timeout, log_path) as server:
+                with _start_server(args, mode, args.port) as server:
                     run = bench_mode(server.base_url, args.model, prompts, levels, args.num_requests,
                                      args.max_tokens, mode)
-                run["server_command"] = shlex.join(["specserve"] + argv)
+                run["server_command"] = shlex.join(["specserve"] + server.argv)
                 result["runs"].append(run)
+        else:
+            result["runs"] += bench_interleaved(args, modes, prompts, levels)
     except ServerError as e:
         print(f"specserve: error: {e}", file=sys.stderr)
         return 1
