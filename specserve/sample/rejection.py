@@ -55,16 +55,35 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
         draft_probs: ``[B, K, V]`` float32, ``q_j``: the distribution each draft token was drawn from.
         target_probs: ``[B, K + 1, V]`` float32, ``p_j``: the target's distribution at each draft
             position, plus the position after the last draft (bonus).
-        greedy: ``[B]`` bool, rows decoded by argmax (no random numbers are drawn for them).
+        greedy: ``[B]`` bool (host), rows decoded by argmax (no random numbers are drawn for them).
         generators: per row, its own generator (seeded request) or None (shared default generator).
             Every draw of a seeded row comes from its generator, so its tokens do not depend on the
             other rows.
     Returns:
         :class:`RejectionOutput`.
     """
+    num_acc, out = rejection_sample_tensors(draft_token_ids, num_draft_tokens, draft_probs, target_probs,
+                                            greedy.tolist(), generators)
+    num_acc_list = num_acc.tolist()
+    rows = out.tolist()
+    return RejectionOutput([rows[i][:num_acc_list[i] + 1] for i in range(len(rows))], num_acc_list)
+
+
+def rejection_sample_tensors(draft_token_ids: Tensor, num_draft_tokens: list[int], draft_probs: Tensor,
+                             target_probs: Tensor, is_greedy: list[bool],
+                             generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor]:
+    """:func:`rejection_sample` without reading anything back to the host (the sync-free step).
+
+    Args are those of :func:`rejection_sample`, with ``is_greedy`` a host list.
+    Returns:
+        ``num_accepted [B]`` int64 and ``output_token_ids [B, K + 1]`` int64: row b's first
+        ``num_accepted[b]`` entries are its accepted drafts, entry ``num_accepted[b]`` its recovered
+        or bonus token, the rest -1.
+    """
     b, k = draft_token_ids.shape
     device = target_probs.device
-    num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)  # [B]
+    greedy = torch.tensor(is_greedy, dtype=torch.bool).to(device, non_blocking=True)
+    num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64).to(device, non_blocking=True)  # [B]
     if k == 0:
         num_acc = torch.zeros(b, dtype=torch.int64, device=device)
     else:
@@ -72,7 +91,7 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
         p_d = target_probs[:, :k].gather(-1, ids).squeeze(-1)                 # [B, K]
         q_d = draft_probs.gather(-1, ids).squeeze(-1)                         # [B, K]
         u = torch.zeros(b, k, dtype=torch.float32, device=device)
-        gen_rows = [i for i, g in enumerate(greedy.tolist()) if not g]
+        gen_rows = [i for i, g in enumerate(is_greedy) if not g]
         shared = [i for i in gen_rows if generators[i] is None]
         if shared:
             u[shared] = torch.rand(len(shared), k, device=device)
@@ -86,14 +105,15 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
         num_acc = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)           # [B] length of accepted prefix
     rows = torch.arange(b, device=device)
     p_last = target_probs[rows, num_acc]                                      # [B, V]
-    rejected = num_acc < num_draft
-    if k > 0 and bool(rejected.any()):
+    if k > 0:   # rows that stopped at a rejection draw from the residual
+        rejected = (num_acc < num_draft).unsqueeze(1)
         q_last = draft_probs[rows, num_acc.clamp(max=k - 1)]
-        final_dist = torch.where(rejected.unsqueeze(1), recovery_distribution(p_last, q_last), p_last)
+        final_dist = torch.where(rejected, recovery_distribution(p_last, q_last), p_last)
     else:
         final_dist = p_last
-    final = draw(final_dist, greedy, generators)
-    num_acc_list = num_acc.tolist()
-    drafts = draft_token_ids.tolist()
-    final_list = final.tolist()
-    return RejectionOutput([drafts[i][:num_acc_list[i]] + [final_list[i]] for i in range(b)], num_acc_list)
+    final = draw(final_dist, is_greedy, generators)                           # [B]
+    out = torch.full((b, k + 1), -1, dtype=torch.int64, device=device)
+    keep = torch.arange(k + 1, device=device).unsqueeze(0) < num_acc.unsqueeze(1)
+    out[:, :k] = torch.where(keep[:, :k], draft_token_ids, out[:, :k])
+    out.scatter_(1, num_acc.unsqueeze(1), final.unsqueeze(1))
+    return num_acc, out

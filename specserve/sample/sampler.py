@@ -64,6 +64,26 @@ class SamplingMetadata:
     max_num_logprobs: int = 0
     # True when some row asked for logprobs (even logprobs=0: just the sampled token's).
     return_logprobs: bool = False
+    # Host-side facts about the rows, known from the params when built, so that processing a batch
+    # never reads a device tensor back (a GPU sync); derived from the tensors when not given.
+    is_greedy: list[bool] | None = None
+    any_top_k: bool | None = None
+    any_top_p: bool | None = None
+    any_min_p: bool | None = None
+    any_penalties: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.is_greedy is None:
+            self.is_greedy = (self.temperature < _GREEDY_EPS).tolist()
+        if self.any_top_k is None:
+            self.any_top_k = bool((self.top_k > 0).any())
+        if self.any_top_p is None:
+            self.any_top_p = bool((self.top_p < 1.0).any())
+        if self.any_min_p is None:
+            self.any_min_p = bool((self.min_p > 0).any())
+        if self.any_penalties is None:
+            self.any_penalties = bool((self.repetition_penalty != 1.0).any() or (self.presence_penalty != 0.0).any()
+                                      or (self.frequency_penalty != 0.0).any())
 
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -93,6 +113,12 @@ class SamplingMetadata:
             generators=list(generators),
             max_num_logprobs=max([p.logprobs or 0 for p in params], default=0),
             return_logprobs=any(p.logprobs is not None for p in params),
+            is_greedy=[p.greedy for p in params],
+            any_top_k=any(p.effective_top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0 for p in params),
+            any_penalties=any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                              for p in params),
         )
 
     @property
@@ -102,8 +128,7 @@ class SamplingMetadata:
 
     @property
     def has_penalties(self) -> bool:
-        return bool((self.repetition_penalty != 1.0).any() or (self.presence_penalty != 0.0).any()
-                    or (self.frequency_penalty != 0.0).any())
+        return self.any_penalties
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> Tensor:
@@ -156,13 +181,13 @@ def apply_top_k_top_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
     Rows with top_k == 0 / top_p >= 1 are untouched.
     """
     v = logits.shape[-1]
+    if not (md.any_top_k or md.any_top_p):
+        return logits
     use_k = md.top_k > 0
     use_p = md.top_p < 1.0
-    if not bool(use_k.any() or use_p.any()):
-        return logits
     sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
     neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
-    if bool(use_k.any()):
+    if md.any_top_k:
         k = md.top_k.clamp(1, v).unsqueeze(1)
         kth = sorted_logits.gather(1, k - 1)  # [B, 1]
         drop_k = use_k.unsqueeze(1) & (logits < kth)
@@ -170,7 +195,7 @@ def apply_top_k_top_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
         # Kept tokens form a prefix of the sorted order, so mask the sorted copy the same way.
         sorted_logits = sorted_logits.masked_fill(use_k.unsqueeze(1) & (sorted_logits < kth),
                                                   neg_inf)
-    if bool(use_p.any()):
+    if md.any_top_p:
         sorted_probs = sorted_logits.softmax(dim=-1).to(torch.float64)
         exclusive_cum = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass strictly before token
         top_p = md.top_p.to(torch.float64).unsqueeze(1)
@@ -184,9 +209,9 @@ def apply_top_k_top_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
 
 def apply_min_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
     """Mask tokens with probability < min_p * max probability (softmax of ``logits``). [B,V]->[B,V]."""
-    use = md.min_p > 0
-    if not bool(use.any()):
+    if not md.any_min_p:
         return logits
+    use = md.min_p > 0
     probs = logits.softmax(dim=-1)
     threshold = md.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
     drop = use.unsqueeze(1) & (probs < threshold)
@@ -209,7 +234,7 @@ def compute_probs(logits: Tensor, md: SamplingMetadata) -> Tensor:
     """
     logits = apply_penalties(logits.to(torch.float32), md)
     greedy = md.greedy_mask
-    greedy_ids = argmax_lowest(logits) if bool(greedy.any()) else None
+    greedy_ids = argmax_lowest(logits) if any(md.is_greedy) else None
     x = apply_temperature(logits, md)
     x = apply_top_k_top_p(x, md)
     x = apply_min_p(x, md)
@@ -222,23 +247,22 @@ def compute_probs(logits: Tensor, md: SamplingMetadata) -> Tensor:
 
 def sample(probs: Tensor, md: SamplingMetadata) -> Tensor:
     """Draw one token per row. probs [B, V] float32 -> token ids [B] int64 (see :func:`draw`)."""
-    return draw(probs, md.greedy_mask, md.generators)
+    return draw(probs, md.is_greedy, md.generators)
 
 
-def draw(probs: Tensor, greedy: Tensor, generators: list[torch.Generator | None]) -> Tensor:
-    """One token per row of ``probs [B, V]`` -> ``[B]`` int64.
+def draw(probs: Tensor, is_greedy: list[bool], generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of ``probs [B, V]`` -> ``[B]`` int64 (no value is read back to the host).
 
-    Greedy rows (``greedy [B]`` bool) take the argmax (lowest id on ties). Random rows use the
+    Greedy rows (``is_greedy[b]``) take the argmax (lowest id on ties). Random rows use the
     exponential race ``argmax(probs / E)``, E ~ Exp(1) of shape [V] drawn from the row's own
     generator, so a seeded row's draw is independent of the rest of the batch; unseeded rows
     (generator None) share the default generator (one batched draw).
     """
     b, v = probs.shape
     out = argmax_lowest(probs)
-    if bool(greedy.all()):
+    if all(is_greedy):
         return out
     noise = torch.ones(b, v, dtype=torch.float32, device=probs.device)
-    is_greedy = greedy.tolist()
     unseeded = [i for i in range(b) if not is_greedy[i] and generators[i] is None]
     if unseeded:  # one batched draw from the shared default generator
         noise[unseeded] = torch.empty(len(unseeded), v, dtype=torch.float32,
@@ -249,6 +273,7 @@ def draw(probs: Tensor, greedy: Tensor, generators: list[torch.Generator | None]
             noise[i] = torch.empty(v, dtype=torch.float32, device=g.device).exponential_(generator=g)
     noise.clamp_(min=torch.finfo(torch.float32).tiny)  # guard against an exact 0 draw
     drawn = (probs / noise).argmax(dim=-1)
+    greedy = torch.tensor(is_greedy, dtype=torch.bool).to(probs.device, non_blocking=True)
     return torch.where(greedy, out, drawn)
 
 

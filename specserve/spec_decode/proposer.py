@@ -39,6 +39,13 @@ class Proposer(ABC):
 
     uses_target_hidden_states: bool = False
     cheap_catch_up: bool = False
+    proposes_trees: bool = False   # True: the engine calls propose_trees and verifies a tree
+    supports_sync_free: bool = False   # True: the engine may run its sync-free chain step (MTP)
+
+    def num_lookahead_tokens(self, k: int) -> int:
+        """Cache slots a speculative step with k drafts may write past the newest token's: the
+        k drafts and the bonus token (a tree proposer: its largest tree)."""
+        return k + 1
 
     def steady_catch_up(self, k: int) -> int:
         """The most tokens a catch-up covers in steady speculation at k drafts (a larger one is a
@@ -118,7 +125,7 @@ def draw_draft_tokens(logits: torch.Tensor, reqs: list[Request], histories: list
     appends the tokens to ``histories``."""
     md = sampling_metadata([reqs[i] for i in active], [histories[i] for i in active])
     q = compute_probs(logits, md)                     # [A, V]
-    tokens = draw(q, md.greedy_mask, md.generators)   # [A]
+    tokens = draw(q, md.is_greedy, md.generators)   # [A]
     rows = torch.tensor(active, dtype=torch.int64)
     draft_ids[rows, j] = tokens
     draft_probs[rows, j] = q
