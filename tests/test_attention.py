@@ -108,3 +108,39 @@ def test_tree_equals_each_path_alone():
     # a causal mask given explicitly is the plain chain
     causal = torch.ones(n, n, dtype=torch.bool).tril()
     assert torch.equal(run(list(range(n)), causal), run(list(range(n)), None))
+
+
+def test_tree_grown_level_by_level_equals_one_shot():
+    """A draft head writes a tree one level per forward: the new level's rows see the context plus
+    their ancestors among the rows written before (a [new, block] mask). Outputs equal the tree
+    verified in one forward."""
+    torch.manual_seed(2)
+    block_size, ctx = 4, 6
+    parents = [-1, 0, 0, 1, 2, 3]        # root; a, b; c (of a), d (of b); e (of c)
+    levels = [[0], [1, 2], [3, 4], [5]]
+    n = len(parents)
+    ctx_k, ctx_v = torch.randn(ctx, HKV, D), torch.randn(ctx, HKV, D)
+    q, k, v = torch.randn(n, H, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+    backend = TorchAttentionBackend(H, HKV, D)
+    table = [3, 1, 6, 2]
+    full = tree_mask(parents)
+
+    def fresh():
+        kc, vc = make_cache(8, block_size)
+        pre = AttentionMetadata.build([table], [0], [ctx], block_size)
+        kc.view(-1, HKV, D)[pre.slot_mapping] = ctx_k
+        vc.view(-1, HKV, D)[pre.slot_mapping] = ctx_v
+        return kc, vc
+
+    kc, vc = fresh()
+    one_shot = backend.forward(q, k, v, kc, vc,
+                               AttentionMetadata.build([table], [ctx], [n], block_size, tree_masks=[full]))
+    kc, vc = fresh()
+    written = 0
+    for level in levels:
+        idx = torch.tensor(level)
+        mask = full[idx][:, :written + len(level)]     # [new, block so far]
+        md = AttentionMetadata.build([table], [ctx + written], [len(level)], block_size, tree_masks=[mask])
+        out = backend.forward(q[idx], k[idx], v[idx], kc, vc, md)
+        assert torch.equal(out, one_shot[idx])
+        written += len(level)

@@ -23,10 +23,12 @@ class AttentionMetadata:
         slot_mapping: ``[T]`` int64, flat cache slot (``page * block_size + offset``) of each new token.
         kv_slot_ids: per sequence, ``[seq_lens[b]]`` int64 slots of all its tokens in position order
             (the PyTorch backend gathers K/V through them; FlashInfer reads ``block_tables``).
-        tree_masks: optional, per sequence ``[query_len, query_len]`` bool or None. ``True`` where a
-            new token may attend to another new token. The context before the new tokens stays
-            plainly visible: the mask covers the draft block only (tree verification). None means
-            causal among the new tokens.
+        tree_masks: optional, per sequence ``[query_len, block_len]`` bool or None, where the
+            *draft block* is the last ``block_len >= query_len`` tokens of the sequence (the new
+            tokens last). ``True`` where a new token may attend to a block token. Everything before
+            the block stays plainly visible: the mask covers the draft block only (tree
+            verification: ``block_len = query_len``; a draft head growing a tree level by level
+            also sees its earlier levels). None means causal among the new tokens.
         block_size: tokens per page.
     """
 

@@ -45,12 +45,15 @@ class TorchAttentionBackend:
             keys = flat_k.index_select(0, md.kv_slot_ids[b])  # [L, Hkv, D], position order
             values = flat_v.index_select(0, md.kv_slot_ids[b])
             tree = md.tree_masks[b] if md.tree_masks is not None else None
+            if tree is not None:
+                block_start = md.seq_lens[b] - tree.shape[1]   # the context before the draft block
+                context = torch.arange(block_start)
             for i in range(num_new):
                 if tree is None:
                     n = context_len + i + 1
                     k_row, v_row = keys[:n], values[:n]  # prefix view: same strides for every L
                 else:
-                    idx = torch.cat([torch.arange(context_len), context_len + tree[i].nonzero().flatten()])
+                    idx = torch.cat([context, block_start + tree[i].nonzero().flatten()])
                     k_row, v_row = keys.index_select(0, idx), values.index_select(0, idx)
                 q_row = query[q0 + i].unsqueeze(1).unsqueeze(0)  # [1, H, 1, D]
                 o = F.scaled_dot_product_attention(

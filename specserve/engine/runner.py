@@ -16,11 +16,14 @@ from specserve.models.llama import LlamaForCausalLM
 
 @dataclass
 class ModelInput:
-    """One sequence's slice of a batch: ``token_ids`` written at positions ``context_len ...``."""
+    """One sequence's slice of a batch: ``token_ids`` written to the cache slots of sequence
+    indices ``context_len ...``, at positions ``context_len ...`` unless ``positions`` says
+    otherwise (tree verification: a node's position is the root's plus its depth)."""
 
     token_ids: list[int]
     context_len: int
     block_table: list[int]
+    positions: list[int] | None = None
 
 
 @dataclass
@@ -48,15 +51,24 @@ class ModelRunner:
         input_ids, positions, last_rows = [], [], []
         for x in inputs:
             input_ids.extend(x.token_ids)
-            positions.extend(range(x.context_len, x.context_len + len(x.token_ids)))
+            positions.extend(x.positions if x.positions is not None
+                             else range(x.context_len, x.context_len + len(x.token_ids)))
             last_rows.append(len(input_ids) - 1)
-        md = AttentionMetadata.build(
-            [x.block_table for x in inputs], [x.context_len for x in inputs],
-            [len(x.token_ids) for x in inputs], self.kv_cache.block_size, tree_masks, self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, pos, md, (self.kv_cache.key_cache, self.kv_cache.value_cache))
+        hidden = self.forward_tensors(ids, positions, [x.block_table for x in inputs],
+                                      [x.context_len for x in inputs], [len(x.token_ids) for x in inputs], tree_masks)
         return ForwardOutput(hidden, last_rows)
+
+    def forward_tensors(self, input_ids: torch.Tensor, positions: list[int], block_tables: list[list[int]],
+                        context_lens: list[int], query_lens: list[int],
+                        tree_masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+        """Like :meth:`forward` with the new tokens already a device tensor ``input_ids [T]``
+        int64 (drafts that never went to the host); the host supplies what it knows without
+        reading them: positions, block tables and lengths. Returns hidden states ``[T, H]``."""
+        md = AttentionMetadata.build(block_tables, context_lens, query_lens, self.kv_cache.block_size,
+                                     tree_masks, self.device)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.model(input_ids.to(self.device), pos, md, (self.kv_cache.key_cache, self.kv_cache.value_cache))
 
     def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits ``[len(rows), vocab_size]`` float32 of the given rows only."""
