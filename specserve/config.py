@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from specserve.spec_decode.tree import TreeSpec
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -100,6 +103,8 @@ class SpeculativeMethod(str, enum.Enum):
 
     DRAFT_MODEL = "draft_model"
     MTP = "mtp"
+    EAGLE = "eagle"
+    NGRAM = "ngram"
 
 
 SPECULATIVE_METHODS = tuple(m.value for m in SpeculativeMethod)
@@ -111,16 +116,28 @@ class SpeculativeConfig:
 
     Attributes:
         method: ``"draft_model"`` (a separate small LLM drafts; Leviathan et al. 2023) or
-            ``"mtp"`` (a one-layer EAGLE / MTP head drafts a chain from the target's hidden states).
+            ``"mtp"`` (a one-layer EAGLE / MTP head drafts a chain from the target's hidden states) or
+            ``"eagle"`` (the same head drafts a tree: static with ``speculative_token_tree``, else
+            EAGLE-2's dynamic tree) or ``"ngram"`` (prompt lookup: drafts copied from the
+            sequence's earlier tokens; no model).
         model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id; for ``"mtp"`` a
-            head checkpoint folder (see :mod:`specserve.models.draft_head`).
-        num_speculative_tokens: k, draft tokens proposed per step (>= 1).
+            head checkpoint folder for ``"mtp"`` and ``"eagle"`` (see
+            :mod:`specserve.models.draft_head`); unused by ``"ngram"``.
+        num_speculative_tokens: k, draft tokens proposed per step (>= 1); for ``"eagle"`` the tree's
+            depth (a static tree sets it to its own depth).
         draft_quantization: ``None`` (float, like the target) or ``"int8"`` (dynamic int8 linears:
             a cheaper draft; output stays exact because the target verifies every token).
         adaptive: choose k <= ``num_speculative_tokens`` for every decode step from measured
             acceptance and step cost, down to 0 (no speculation) for large batches
             (:mod:`specserve.spec_decode.adaptive`). False: always k. Greedy output is the same
             either way; seeded sampled output depends on the k of each step.
+        prompt_lookup_max / prompt_lookup_min: ``"ngram"`` only: the n-gram lengths matched,
+            longest first (vLLM's names).
+        speculative_token_tree: ``"eagle"`` only: a static tree as a list of paths of child ranks
+            (``[[0], [1], [0, 0]]``, or that list as a string, vLLM's spelling) or ``"eagle1"``
+            (EAGLE-1's default 25-node tree); None: a dynamic tree.
+        eagle_topk / num_draft_tokens: ``"eagle"`` dynamic trees: children per expanded node and
+            nodes expanded per level; nodes kept for verification (EAGLE-2's top-k and total tokens).
     """
 
     method: str = SpeculativeMethod.DRAFT_MODEL
@@ -128,6 +145,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     draft_quantization: str | None = None
     adaptive: bool = True
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    speculative_token_tree: Any = None
+    eagle_topk: int = 4
+    num_draft_tokens: int = 12
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:  # str-enum members compare equal to their names
@@ -136,8 +158,46 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.draft_quantization not in (None, "int8"):
             raise ValueError(f"draft_quantization must be None or 'int8', got {self.draft_quantization!r}")
-        if not self.model:
+        for name in ("prompt_lookup_max", "prompt_lookup_min", "eagle_topk", "num_draft_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.speculative_token_tree is not None:
+            if self.method != SpeculativeMethod.EAGLE:
+                raise ValueError(f"speculative_token_tree is for method 'eagle', not {str(getattr(self.method, 'value', self.method))!r}")
+            self.num_speculative_tokens = self.token_tree().depth
+        if self.method == SpeculativeMethod.NGRAM:
+            self.model = None
+        elif not self.model:
             raise ValueError(f"speculative method {getattr(self.method, 'value', self.method)!r} needs a draft 'model'")
+
+    def token_tree(self) -> "TreeSpec | None":
+        """The static tree ``speculative_token_tree`` describes (None: dynamic).
+
+        Raises:
+            ValueError: a string that is not a list of paths or a preset name, or a malformed tree.
+        """
+        from specserve.spec_decode.tree import EAGLE1_TREE, TreeSpec
+
+        tree = self.speculative_token_tree
+        if tree is None:
+            return None
+        if isinstance(tree, str):
+            if tree == "eagle1":
+                tree = EAGLE1_TREE
+            else:
+                import ast
+                try:
+                    tree = ast.literal_eval(tree)
+                except (ValueError, SyntaxError):
+                    raise ValueError(f"speculative_token_tree must be 'eagle1' or a list of paths like "
+                                     f"'[(0,), (1,), (0, 0)]', got {self.speculative_token_tree!r}") from None
+        if not isinstance(tree, (list, tuple)):
+            raise ValueError(f"speculative_token_tree must be a list of paths, got {tree!r}")
+        return TreeSpec.from_paths(tree)
 
     @classmethod
     def from_dict(cls, d: "dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":

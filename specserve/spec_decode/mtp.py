@@ -27,6 +27,7 @@ from specserve.engine.request import Request
 from specserve.kv_cache.block_manager import BlockManager
 from specserve.kv_cache.kv_cache import KVCache
 from specserve.models.draft_head import DraftHead, PagedKV
+from specserve.sample.sampler import compute_probs, draw
 from specserve.spec_decode.proposer import ChainProposer
 
 
@@ -101,15 +102,20 @@ class MTPProposer(ChainProposer):
             return 0
         return max(0, self.max_position - req.num_tokens)
 
-    def _run(self, hidden: torch.Tensor, token_ids: list[int], reqs: list[Request], starts: list[int],
-             lens: list[int]) -> torch.Tensor:
-        """One head forward over ``lens[b]`` rows of each sequence from position ``starts[b]``;
-        returns predicted hidden states ``[sum(lens), H]``."""
+    def _run(self, hidden: torch.Tensor, token_ids: list[int] | torch.Tensor, reqs: list[Request], starts: list[int],
+             lens: list[int], positions: list[int] | None = None,
+             tree_masks: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One head forward over ``lens[b]`` rows of each sequence written from slot index
+        ``starts[b]``, at positions ``starts[b] ...`` (or ``positions``, flat), causal (or under
+        ``tree_masks``, see :class:`AttentionMetadata`); returns predicted hidden states
+        ``[sum(lens), H]``."""
         md = AttentionMetadata.build([self.block_manager.block_table(r.seq_id) for r in reqs], starts, lens,
-                                     self.block_manager.block_size, device=self.device)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor([p for s, n in zip(starts, lens) for p in range(s, s + n)], dtype=torch.int64,
-                           device=self.device)
+                                     self.block_manager.block_size, tree_masks, device=self.device)
+        ids = (token_ids.to(self.device) if isinstance(token_ids, torch.Tensor)
+               else torch.tensor(token_ids, dtype=torch.int64, device=self.device))
+        if positions is None:
+            positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
             return self.head(hidden.to(self.device, next(self.head.parameters()).dtype), ids, pos,
                              PagedKV(self.kv.key_cache[0], self.kv.value_cache[0], md))
@@ -164,6 +170,57 @@ class MTPProposer(ChainProposer):
         for n, st in enumerate(states):
             st.chain_hidden = out[n]
         return self._target_logits(out)
+
+    # ------------------------------------------------------------------ the sync-free step
+    supports_sync_free = True
+
+    def has_carried_logits(self, reqs: list[Request]) -> bool:
+        """Every request's first draft can come from logits the head left behind."""
+        return all(self._state(r).logits is not None for r in reqs)
+
+    def draft_chain_tensors(self, reqs: list[Request], k: int, md) -> tuple[torch.Tensor, torch.Tensor]:
+        """k draft tokens for every request, kept on the device: ``draft_token_ids [B, k]`` int64
+        and ``draft_probs [B, k, V]`` float32 (the distributions drawn from, after each request's
+        sampling parameters ``md``; penalties are not supported here). One batched head forward
+        per draft after the first; nothing is read back to the host."""
+        states = [self._state(r) for r in reqs]
+        logits = torch.stack([st.logits for st in states])
+        hidden = torch.stack([st.last_hidden for st in states])
+        ids, probs = [], []
+        for j in range(k):
+            if j > 0:   # the head on its own prediction and draft j-1, at draft j-1's position - 1
+                hidden = self._run(hidden, ids[-1], reqs, [r.num_tokens - 2 + j for r in reqs], [1] * len(reqs))
+                logits = self._target_logits(hidden)
+            q = compute_probs(logits, md)
+            ids.append(draw(q, md.is_greedy, md.generators))
+            probs.append(q)
+        return torch.stack(ids, dim=1), torch.stack(probs, dim=1)
+
+    def refill_in_step(self, reqs: list[Request], target_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+                       query_lens: list[int], num_accepted: torch.Tensor) -> None:
+        """Right after verification, before the host knows what was accepted: the head re-runs
+        over every verified row (the newest token and all drafts) with the target's hidden states
+        ``target_hidden [T, H]`` and the tokens that follow them, ``next_token_ids [T]`` (accepted
+        drafts, then the recovered or bonus token, then padding), rewriting its KV from the
+        target's features (SEED section 9: a little work wasted on rejected rows, no sync). The
+        row of each sequence's last accepted position, chosen with ``num_accepted [B]`` on the
+        device, gives the next step's first-draft logits."""
+        starts = [r.num_computed_tokens for r in reqs]
+        out = self._run(target_hidden, next_token_ids, reqs, starts, query_lens)
+        offsets = torch.tensor([sum(query_lens[:i]) for i in range(len(reqs))], dtype=torch.int64)
+        rows = offsets.to(out.device) + num_accepted.to(out.device)
+        last = out.index_select(0, rows)
+        logits = self._target_logits(last)
+        for i, r in enumerate(reqs):
+            st = self._state(r)
+            st.logits, st.last_hidden = logits[i], last[i]
+
+    def commit_sync_free(self, req: Request, first_position: int, num_accepted: int) -> None:
+        """The host learned ``num_accepted`` for ``req``, verified from ``first_position``: the head
+        now covers the positions up to the last accepted one."""
+        st = self._state(req)
+        st.num_computed = first_position + num_accepted + 1
+        st.hidden, st.first = [], st.num_computed
 
     def on_verified(self, req: Request, num_accepted: int) -> None:
         st = self._state(req)
