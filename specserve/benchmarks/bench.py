@@ -53,12 +53,21 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-ks", default="2,3,4",
                    help="with a draft (--speculative-model, or the default pair): k values to measure "
                         "speculation at, in the same run (default: %(default)s)")
+    p.add_argument("--methods", default=None,
+                   help="compare speculation methods instead (comma list of none, ngram, draft_model, mtp, "
+                        "eagle-static, eagle-dynamic): same prompts, one engine each, k fixed")
+    p.add_argument("--head", default=None,
+                   help="--methods: the draft head for mtp/eagle (default: a shipped head for --model)")
+    p.add_argument("--specbench-prompts", type=int, default=0,
+                   help="--methods: Spec-Bench first turns added to the HumanEval prompts (default: %(default)s)")
+    p.add_argument("--tree-depth", type=int, default=4,
+                   help="--methods eagle-dynamic: levels of the dynamic tree (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", metavar="PATH", default=None, help="PNG plot of V(k) (needs matplotlib)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "max_tokens", "batch_size", "repeats", "max_k", "context_len"):
+    for name in ("num_prompts", "max_tokens", "batch_size", "repeats", "max_k", "context_len", "tree_depth"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
@@ -161,7 +170,7 @@ def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list
         engine.spec_config.num_speculative_tokens = k  # read at every step
         engine.spec_stats = SpecDecodeStats()
         r = bench_specserve(engine, prompt_ids, args.max_tokens, args.batch_size)
-        r["k"], r["draft"] = k, spec_cfg["model"]
+        r["k"], r["draft"] = k, spec_cfg.get("model") or spec_cfg["method"]
         r["spec_decode"] = engine.spec_stats.as_dict()
         r["agreement_with_no_speculation"] = agreement(baseline["per_prompt"], r["per_prompt"])
         r["speedup_decode_median"] = r["summary"]["decode_tok_s_median"] / baseline["summary"]["decode_tok_s_median"]
@@ -448,6 +457,9 @@ def run_bench(args: argparse.Namespace) -> int:
     from specserve.engine.engine import LLMEngine
 
     _check_args(args)
+    if args.methods:
+        from specserve.benchmarks.methods import run_methods_bench
+        return run_methods_bench(args)
     prompts = humaneval_prompts(args.num_prompts)
     started = datetime.datetime.now().astimezone()
     engine = LLMEngine(_engine_args(args))
