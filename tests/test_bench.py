@@ -75,3 +75,34 @@ def test_bench_measures_speculation_in_the_same_run(tiny_bench_model, tmp_path, 
         assert r["spec_decode"]["acceptance_rate"] == 1.0 and r["spec_decode"]["mean_acceptance_length"] > 2
         assert _positive(r["speedup_decode_median"])
     assert "identical to no speculation" in capsys.readouterr().out
+
+
+def test_bench_methods_side_by_side(tiny_qwen2_dir, trained_tiny_head, tmp_path, capsys):
+    """Every method on one target in one run: greedy outputs equal none's, figures positive; the
+    model drafting for itself accepts everything."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "methods.json"
+    methods = ["none", "ngram", "draft_model", "mtp", "eagle-static", "eagle-dynamic"]
+    rc = main(["bench", "--model", tiny_qwen2_dir, "--methods", ",".join(methods),
+               "--speculative-model", tiny_qwen2_dir, "--head", trained_tiny_head,
+               "--speculative-token-tree", "[[0], [1], [0, 0]]", "--num-speculative-tokens", "3",
+               "--num-prompts", "2", "--max-tokens", "8", "--skip-hf", "--json", str(out),
+               "--plot", str(tmp_path / "methods.png")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert [r["method"] for r in res["methods"]] == methods
+    for r in res["methods"]:
+        assert r["agreement_with_none"]["identical_prompts"] == 2, r["method"]
+        assert _positive(r["speedup_decode_median"]) and _positive(r["summary"]["e2e_tok_s_aggregate"])
+    by = {r["method"]: r for r in res["methods"]}
+    assert by["draft_model"]["spec_decode"]["acceptance_rate"] == 1.0
+    assert by["eagle-static"]["speculative_config"]["speculative_token_tree"] == "[[0], [1], [0, 0]]"
+    assert (tmp_path / "methods.png").stat().st_size > 0
+    assert "| eagle-dynamic |" in capsys.readouterr().out
+
+
+def test_bench_methods_bad_input(tiny_qwen2_dir, capsys):
+    assert main(["bench", "--model", tiny_qwen2_dir, "--methods", "none,medusa", "--skip-hf"]) == 2
+    assert "medusa" in capsys.readouterr().err
+    assert main(["bench", "--model", tiny_qwen2_dir, "--methods", "none,mtp", "--skip-hf"]) == 2   # no head
+    assert "--head" in capsys.readouterr().err

@@ -3,8 +3,6 @@ for every tree shape and batch, sampled output follows the target's distribution
 come back."""
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 
 import specserve.engine.engine as engine_mod
@@ -12,7 +10,7 @@ from specserve.entrypoints.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.ngram import find_ngram_continuation
 from tests.test_mtp import PROMPTS
-from tests.test_spec_distribution import homogeneity_pvalue
+from tests.test_spec_distribution import N, homogeneity_pvalue, joint_counts
 
 TREES = {
     "chain3": {"speculative_token_tree": [[0], [0, 0], [0, 0, 0]]},
@@ -82,22 +80,6 @@ def test_tree_on_another_method_is_refused(tiny_qwen2_dir, head_dir):
 
 
 # ----------------------------------------------------------------------------- sampling
-
-N = 4000
-BATCH = 250
-PROMPT = {"prompt_token_ids": [17, 92, 5, 230, 41, 8]}
-
-
-def joint_counts(llm: LLM, seed0: int, **kw) -> tuple[Counter, Counter]:
-    """Counts of (t1, t2) and (t2, t3) over N seeded requests (t2, t3 come from a verify step)."""
-    outs = []
-    for start in range(0, N, BATCH):
-        params = [SamplingParams(seed=seed0 + i, max_tokens=4, ignore_eos=True, **kw)
-                  for i in range(start, min(N, start + BATCH))]
-        outs += llm.generate([PROMPT] * len(params), params)
-    return (Counter(tuple(o.outputs[0].token_ids[:2]) for o in outs),
-            Counter(tuple(o.outputs[0].token_ids[1:3]) for o in outs))
-
 
 @pytest.fixture(scope="module")
 def sampling_engines(tiny_qwen2_dir, head_dir):

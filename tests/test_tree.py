@@ -2,8 +2,6 @@
 acceptance against the exact target distribution, KV compaction."""
 from __future__ import annotations
 
-import itertools
-import math
 from collections import Counter
 
 import pytest

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.benchmarks.plotting import load_pyplot
+from specserve.benchmarks.plotting import load_pyplot, write_results
 
 HUMANEVAL_REL = Path("data") / "HumanEval.jsonl.gz"
 VK_SEQ_ID = -1_000_001  # dedicated block-manager sequence id for the V(k) measurement
@@ -514,12 +514,5 @@ def run_bench(args: argparse.Namespace) -> int:
 
     md = render_markdown(result)
     print(md)
-    if args.plot:
-        note = write_plot(result, args.plot)
-        print(note or f"V(k) plot written to {args.plot}", file=sys.stderr)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"figures written to {args.json}", file=sys.stderr)
+    write_results(result, args.json, args.plot, write_plot, "V(k) plot")
     return 0

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import sys
 from pathlib import Path
+
+from specserve.benchmarks.plotting import load_pyplot, write_results
 
 METHODS = ("none", "ngram", "draft_model", "mtp", "eagle-static", "eagle-dynamic")
 
@@ -49,7 +50,7 @@ def method_config(method: str, args: argparse.Namespace) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
     if method == "draft_model":
         return {"method": "draft_model", "model": args.speculative_model or DEFAULT_DRAFT,
-                "num_speculative_tokens": k, "adaptive": False}
+                "num_speculative_tokens": k, "adaptive": False, "draft_quantization": args.draft_quantization}
     head = args.head or default_head(args.model)
     if head is None:
         raise ValueError(f"--methods {method} needs a draft head for {args.model!r}: pass --head")
@@ -118,13 +119,7 @@ def run_methods_bench(args: argparse.Namespace) -> int:
         r["speedup_e2e_aggregate"] = s["e2e_tok_s_aggregate"] / base["e2e_tok_s_aggregate"] if base else None
         r["agreement_with_none"] = agreement(baseline["per_prompt"], r["per_prompt"]) if baseline else None
     print(render_methods_markdown(result))
-    if args.plot:
-        note = write_methods_plot(result, args.plot)
-        print(note or f"plot written to {args.plot}", file=sys.stderr)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
-        print(f"figures written to {args.json}", file=sys.stderr)
+    write_results(result, args.json, args.plot, write_methods_plot)
     return 0
 
 
@@ -154,11 +149,9 @@ def render_methods_markdown(result: dict) -> str:
 
 def write_methods_plot(result: dict, path: str) -> str | None:
     """Bars of acceptance length and decode speedup per method; a note instead without matplotlib."""
-    from specserve.benchmarks.plotting import load_pyplot
-
-    plt = load_pyplot()
+    plt, note = load_pyplot(path)
     if plt is None:
-        return "matplotlib is not installed: no plot written"
+        return note
     rows = result["methods"]
     names = [r["method"] for r in rows]
     al = [(r.get("spec_decode") or {}).get("mean_acceptance_length") or 1.0 for r in rows]

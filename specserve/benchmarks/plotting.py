@@ -1,5 +1,11 @@
-"""matplotlib for the benchmarks' plots, optional: a missing install is a note, not an error."""
+"""matplotlib for the benchmarks' plots, optional: a missing install is a note, not an error; and
+writing a benchmark's figures (JSON) and plot."""
 from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable
 
 
 def load_pyplot(path: str):
@@ -12,3 +18,16 @@ def load_pyplot(path: str):
     except ImportError:
         return None, f"--plot {path}: matplotlib is not installed, no plot written (pip install matplotlib)"
     return plt, None
+
+
+def write_results(result: dict, json_path: str | None, plot_path: str | None,
+                  write_plot: Callable[[dict, str], str | None], what: str = "plot") -> None:
+    """Write ``result`` as JSON to ``json_path`` and its plot to ``plot_path`` (either may be None);
+    says on stderr where each went, or the note ``write_plot`` returned instead of a plot."""
+    if plot_path:
+        note = write_plot(result, plot_path)
+        print(note or f"{what} written to {plot_path}", file=sys.stderr)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=1))
+        print(f"figures written to {json_path}", file=sys.stderr)

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
-from specserve.benchmarks.plotting import load_pyplot
+from specserve.benchmarks.plotting import load_pyplot, write_results
 
 MODES = ("none", "spec")
 HOST = "127.0.0.1"
@@ -642,12 +642,5 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if "none" in texts and "spec" in texts:
         result["agreement"] = text_agreement(texts["none"], texts["spec"])
     print(render_markdown(result))
-    if args.plot:
-        note = write_plot(result, args.plot)
-        print(note or f"plot written to {args.plot}", file=sys.stderr)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"figures written to {args.json}", file=sys.stderr)
+    write_results(result, args.json, args.plot, write_plot)
     return 0
