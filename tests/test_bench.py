@@ -80,7 +80,6 @@ def test_bench_measures_speculation_in_the_same_run(tiny_bench_model, tmp_path, 
 def test_bench_methods_side_by_side(tiny_qwen2_dir, trained_tiny_head, tmp_path, capsys):
     """Every method on one target in one run: greedy outputs equal none's, figures positive; the
     model drafting for itself accepts everything."""
-    pytest.importorskip("matplotlib")
     out = tmp_path / "methods.json"
     methods = ["none", "ngram", "draft_model", "mtp", "eagle-static", "eagle-dynamic"]
     rc = main(["bench", "--model", tiny_qwen2_dir, "--methods", ",".join(methods),

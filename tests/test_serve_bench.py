@@ -127,7 +127,6 @@ def test_speedups_and_markdown_table():
 
 
 def test_write_plot(tmp_path):
-    pytest.importorskip("matplotlib")  # in the `bench` extra, not the `test` one
     path = tmp_path / "sub" / "serve.png"
     assert sb.write_plot(_result(), str(path)) is None
     assert path.read_bytes()[:4] == b"\x89PNG"

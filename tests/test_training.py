@@ -206,7 +206,6 @@ def test_self_distilled_documents_are_cached_for_a_rerun(tmp_path):
 
 
 def test_training_plot_from_logs(tmp_path):
-    pytest.importorskip("matplotlib")
     from specserve.training.plot import read_log, write_training_plot
 
     log = tmp_path / "train_log.jsonl"
