@@ -172,6 +172,51 @@ def test_unmeasured_batch_size_waits_then_extrapolates():
     assert AdaptiveSpeculation(2).worth_following(1, 10, 1000) is True
 
 
+def test_extrapolation_counts_the_draft_tokens():
+    """As above, batch 1 measured (plain 1.0 s, k = 2 1.2 s, E(2) = 1.96) and batch 2's plain step
+    1.1 s, but the draft has also been seen to prefill at 0.05 s per token: each extra sequence adds
+    3 target tokens at 0.1 s and 2 draft tokens at 0.05 s, so batch 2's k = 2 step is
+    1.2 + 0.3 + 0.1 = 1.6 s: goodput 2 * 1.96 / 1.6 = 2.45 against 1.8182 (1.3475x, still on),
+    saving 1/1.8182 - 1/2.45 = 0.14184 s per token. At 0.1 s per draft token the step is 1.7 s:
+    2.3059 (1.268x): off."""
+    ctrl = AdaptiveSpeculation(2)
+    ctrl.observe_step(1, 0, 1.0)
+    ctrl.observe_step(1, 2, 1.2)
+    ctrl.observe_step(2, 0, 1.1)
+    ctrl.draft_prefill_s_per_token = 0.05
+    assert ctrl.saving_per_token(2) == pytest.approx(1.1 / 2 - 1.6 / (2 * 1.96), abs=1e-9)
+    assert ctrl.saving_per_token(2) == pytest.approx(0.14184, abs=1e-5)
+    ctrl.draft_prefill_s_per_token = 0.1
+    assert ctrl.saving_per_token(2) == 0.0 and ctrl.choose(2) == 0
+
+
+def test_first_measurement_after_the_draft_followed_needs_only_keep_gain():
+    """Once the draft has prefilled every sequence of a batch size, its maximum k is explored (run
+    twice, the second timed) and kept while it beats k = 0 by keep_gain (1.05), not min_gain (1.3):
+    that prefill is sunk. A bucket whose k was timed without that exploration still needs 1.3."""
+    def fresh():
+        return AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9)
+
+    e1 = fresh().expected_tokens(1)                # 1.6 with the prior alone
+    for batch in (1, 3):                           # batch 3: no smaller batch has measured k = 1
+        ctrl = fresh()
+        for _ in range(2):                         # k = 0 explored first, twice
+            assert ctrl.choose(batch) == 0
+            ctrl.observe_step(batch, 0, 1.0 * batch)
+        for _ in range(2):                         # then k = 1: 1.2x the goodput
+            assert ctrl.choose(batch) == 1
+            ctrl.observe_step(batch, 1, batch * e1 / 1.2)
+        assert ctrl.choose(batch) == 1 and ctrl.saving_per_token(batch) == pytest.approx(1 - 1 / 1.2)
+    direct = fresh()
+    direct.observe_step(1, 0, 1.0)
+    direct.observe_step(1, 1, e1 / 1.2)
+    assert direct.choose(1) == 0
+    # the draft did not follow every sequence: no exploration, and the bucket is not marked on
+    late = fresh()
+    late.observe_step(4, 0, 1.0)
+    assert late.choose(4, all_can_draft=False) == 0 and not late._bucket(4).speculating
+
+
 def test_hysteresis():
     """Speculation switches on above min_gain (1.3) and stays on down to keep_gain (1.05)."""
     ctrl = AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9)
