@@ -190,6 +190,25 @@ def test_extrapolation_counts_the_draft_tokens():
     assert ctrl.saving_per_token(2) == 0.0 and ctrl.choose(2) == 0
 
 
+def test_extrapolation_charges_verified_tokens_at_the_prefill_cost():
+    """As above (batch 1: plain 1.0 s, k = 2 1.2 s, E(2) = 1.96; batch 2 plain 1.1 s), but the
+    target has prefilled at 0.15 s per token, more than the 0.1 s the plain steps show: batch 2's
+    k = 2 step is 1.2 + 0.15 * 3 = 1.65 s, goodput 2 * 1.96 / 1.65 = 2.3758 against 1.8182 (1.307x):
+    on. At 0.2 s per token, 1.8 s: 2.1778 (1.198x): off. Prefill steps under 32 tokens are not timed."""
+    ctrl = AdaptiveSpeculation(2, ema=1.0)
+    ctrl.observe_step(1, 0, 1.0)
+    ctrl.observe_step(1, 2, 1.2)
+    ctrl.observe_step(2, 0, 1.1)
+    ctrl.observe_target_prefill(31, 31 * 5.0)
+    assert ctrl.target_prefill_s_per_token is None
+    ctrl.observe_target_prefill(100, 15.0)
+    assert ctrl.saving_per_token(2) == pytest.approx(1.1 / 2 - 1.65 / (2 * 1.96), abs=1e-9)
+    ctrl.observe_target_prefill(100, 20.0)
+    assert ctrl.saving_per_token(2) == 0.0 and ctrl.choose(2) == 0
+    ctrl.observe_target_prefill(100, 1.0)          # cheaper than the plain steps' 0.1 s: those win
+    assert ctrl.saving_per_token(2) == pytest.approx(0.16735, abs=1e-5)
+
+
 def test_first_measurement_after_the_draft_followed_needs_only_keep_gain():
     """Once the draft has prefilled every sequence of a batch size, its maximum k is explored (run
     twice, the second timed) and kept while it beats k = 0 by keep_gain (1.05), not min_gain (1.3):

@@ -266,7 +266,11 @@ class LLMEngine:
                         follow.append(s.request)
                     elif decision is None:
                         self._draft_deferred[s.request.seq_id] = s.request
+            t_fwd = time.perf_counter()
             advanced = self._sampling_step(sched)
+            if self.spec_controller is not None:
+                self.spec_controller.observe_target_prefill(
+                    sum(s.num_new_tokens for s in sched.scheduled), time.perf_counter() - t_fwd)
             self._draft_prefill([r for r in follow if not r.is_finished])
         self.last_step_stats = StepStats(
             len(sched.scheduled), len(self.scheduler.running), len(self.scheduler.waiting), len(sched.preempted),

@@ -31,9 +31,13 @@ prefill). :meth:`worth_following` lets the draft prefill a prompt only when the 
 remaining tokens times the estimated per-token saving repay the measured prefill cost. At a batch
 size not measured yet, the decision waits (the draft follows later, catching up in one go) until
 the batch's plain step is timed: the cost of a k-draft step there is then extrapolated from a
-smaller measured batch, linearly in the tokens the target verifies (on a CPU every extra token
-costs about the same compute once weights are read). A sequence the draft did not follow decodes
-without speculation.
+smaller measured batch, linearly in the tokens the target verifies. Each extra verified token is
+charged the target's measured *prefill* cost per token, not the far lower marginal cost two plain
+steps show: a forward over a few tokens is bound by reading the weights, one over many by compute,
+and the verify of a larger batch runs beyond the token counts measured. (1.5B target on 2 cores:
+plain steps of 1 and 4 tokens both take ~0.2 s, yet a k = 2 step costs 0.37 s at batch 1 and 0.455
+s at batch 4.) The estimate is thus pessimistic, as "never slower" wants. A sequence the draft did
+not follow decodes without speculation.
 
 Steps whose cost is not k's own (the draft catching up over a whole prompt, or over the tokens
 decoded while speculation was off) are counted but not timed: the engine passes ``steady=False``.
@@ -93,6 +97,8 @@ class AdaptiveSpeculation:
     _drafted: list[float] = field(default_factory=list)    # [max_k] decayed count: j+1 drafts proposed
     chosen_counts: list[int] = field(default_factory=list)  # [max_k + 1] decode steps run with each k
     draft_prefill_s_per_token: float | None = None          # EMA of the draft's prompt prefill cost
+    target_prefill_s_per_token: float | None = None         # EMA of the target's prefill cost per token
+    min_prefill_tokens: int = 32                            # smaller prefill steps are not timed
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -174,9 +180,10 @@ class AdaptiveSpeculation:
     def _extrapolated_scores(self, b: int) -> list[float | None] | None:
         """Goodput estimates for bucket ``b`` whose k = 0 is measured but whose maximum k is not:
         a k-draft step costs the nearest smaller measured bucket's k-draft step plus, for each
-        extra sequence, (k + 1) target tokens at the marginal per-token cost that the two buckets'
-        plain steps show and k draft tokens at the draft's measured prefill cost per token (its
-        compute per token; 0 before any is measured). None when that is not computable."""
+        extra sequence, (k + 1) target tokens at the target's prefill cost per token (or the
+        marginal per-token cost the two buckets' plain steps show, if higher or if no prefill is
+        timed yet) and k draft tokens at the draft's prefill cost per token (0 before any is
+        measured). None when that is not computable."""
         own = self._buckets.get(b)
         below = self._measured_below(b)
         if own is None or own.arms[0].time_per_seq_s is None or below is None:
@@ -186,7 +193,8 @@ class AdaptiveSpeculation:
         if n <= n_small:
             return None
         t0 = own.arms[0].time_per_seq_s * n
-        marginal = max(0.0, (t0 - small.arms[0].time_per_seq_s * n_small) / (n - n_small))
+        marginal = max(0.0, (t0 - small.arms[0].time_per_seq_s * n_small) / (n - n_small),
+                       self.target_prefill_s_per_token or 0.0)
         scores: list[float | None] = [self.expected_tokens(0) * n / t0]
         draft_per_token = self.draft_prefill_s_per_token or 0.0
         for k in range(1, self.max_k + 1):
@@ -263,11 +271,18 @@ class AdaptiveSpeculation:
 
     def observe_draft_prefill(self, num_tokens: int, seconds: float) -> None:
         """Record the wall time of the draft prefilling ``num_tokens`` prompt tokens."""
-        if num_tokens <= 0:
-            return
-        per_token = seconds / num_tokens
-        prev = self.draft_prefill_s_per_token
-        self.draft_prefill_s_per_token = per_token if prev is None else (1 - self.ema) * prev + self.ema * per_token
+        if num_tokens > 0:
+            self.draft_prefill_s_per_token = self._ema(self.draft_prefill_s_per_token, seconds / num_tokens)
+
+    def observe_target_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Record the wall time of a target forward over ``num_tokens`` tokens of a prefill (or
+        mixed prefill + decode) step; steps under ``min_prefill_tokens`` tokens are skipped (their
+        time is mostly reading the weights, not the per-token compute this measures)."""
+        if num_tokens >= self.min_prefill_tokens:
+            self.target_prefill_s_per_token = self._ema(self.target_prefill_s_per_token, seconds / num_tokens)
+
+    def _ema(self, prev: float | None, value: float) -> float:
+        return value if prev is None else (1 - self.ema) * prev + self.ema * value
 
     def choose(self, batch_size: int, all_can_draft: bool = True) -> int:
         """k for the next decode step of ``batch_size`` sequences (0 = do not speculate).
@@ -332,11 +347,8 @@ class AdaptiveSpeculation:
         if not steady:
             return
         arm = bucket.arms[k]
-        bucket.batch_size = float(batch_size) if bucket.batch_size == 0 else (
-            (1 - self.ema) * bucket.batch_size + self.ema * batch_size)
-        per_seq = step_time_s / max(batch_size, 1)
-        arm.time_per_seq_s = per_seq if arm.time_per_seq_s is None else (
-            (1 - self.ema) * arm.time_per_seq_s + self.ema * per_seq)
+        bucket.batch_size = self._ema(bucket.batch_size or None, float(batch_size))
+        arm.time_per_seq_s = self._ema(arm.time_per_seq_s, step_time_s / max(batch_size, 1))
 
     def observe_acceptance(self, observations: list[tuple[int, int]]) -> None:
         """Record one verify step: ``(num_draft_tokens, num_accepted)`` for each sequence."""
