@@ -151,7 +151,8 @@ def test_check_args():
     assert sb.check_args(_args())[1] == ["none", "spec"]  # the default target has a default draft
     for argv, named in ((["--num-requests", "0"], "--num-requests"), (["--max-tokens", "0"], "--max-tokens"),
                         (["--port", "70000"], "70000"), (["--base-url", "localhost:8000"], "localhost:8000"),
-                        (["--model", "m"], "spec"), (["--no-speculation"], "--no-speculation")):
+                        (["--model", "m"], "spec"), (["--no-speculation"], "--no-speculation"),
+                        (["--repeats", "0"], "--repeats"), (["--repeats", "2", "--sequential"], "interleaved")):
         with pytest.raises(ValueError, match=named):
             sb.check_args(_args(*argv))
     assert sb.check_args(_args("--model", "m", "--modes", "none"))[1] == ["none"]
@@ -250,3 +251,63 @@ def test_bench_against_stub_server(stub_url, tmp_path, capsys):
         assert [r["prompt_index"] for r in lv["requests"]] == [0, 1, 2, 3, 4]
         assert all(len(r["text"]) == 4 for r in lv["requests"])
     assert "| spec | 3 | 5 |" in capsys.readouterr().out
+
+
+def _round(tok_s, ttfts, drafted=None, accepted=None, steps=None, length=None, by_k=None):
+    return {"concurrency": 4, "num_requests": len(ttfts), "output_tokens": 8 * len(ttfts), "wall_s": 8 * len(ttfts) / tok_s,
+            "output_tok_s": tok_s,
+            "spec_decode": {"draft_tokens": drafted, "accepted_tokens": accepted, "verify_steps": steps,
+                            "mean_acceptance_length": length, "decode_steps_by_k": by_k or {}},
+            "requests": [{"index": i, "ttft_s": t, "tpot_ms": 10.0 * t, "e2e_s": t + 1, "text": f"t{i}"}
+                         for i, t in enumerate(ttfts)]}
+
+
+def test_combine_rounds():
+    """Three rounds: tok/s is the median (not the mean), percentiles pool every request, counts add up
+    and the acceptance length is re-weighted by verify steps: (2.0 * 10 + 3.0 * 30) / 40 = 2.75."""
+    rounds = [_round(10.0, [1.0, 2.0], 20, 10, 10, 2.0, {"0": 3.0, "2": 10.0}),
+              _round(30.0, [3.0], 60, 60, 30, 3.0, {"2": 30.0}),
+              _round(12.0, [4.0, 5.0], 0, 0, 0, None, {"0": 5.0})]
+    lv = sb.combine_rounds(rounds)
+    assert lv["output_tok_s"] == 12.0 and lv["num_requests"] == 5 and lv["output_tokens"] == 40
+    assert lv["wall_s"] == pytest.approx(1.6 + 8 / 30 + 16 / 12)
+    assert lv["ttft_median_s"] == 3.0 and lv["ttft_p99_s"] == pytest.approx(4.96)
+    assert lv["tpot_median_ms"] == 30.0 and lv["e2e_median_s"] == 4.0
+    sd = lv["spec_decode"]
+    assert (sd["draft_tokens"], sd["accepted_tokens"], sd["verify_steps"]) == (80, 70, 40)
+    assert sd["acceptance_rate"] == pytest.approx(70 / 80) and sd["mean_acceptance_length"] == pytest.approx(2.75)
+    assert sd["decode_steps_by_k"] == {"0": 8.0, "2": 40.0}
+    assert [r["round"] for r in lv["requests"]] == [0, 0, 1, 2, 2]
+    assert [r["output_tok_s"] for r in lv["rounds"]] == [10.0, 30.0, 12.0]
+    assert sorted(sb.mode_texts({"levels": [lv]})) == ["c4/r0/0", "c4/r0/1", "c4/r1/0", "c4/r2/0", "c4/r2/1"]
+    assert sb.combine_rounds(rounds[:1]) is rounds[0]
+
+
+def test_interleaved_rounds_reverse_the_order(monkeypatch):
+    """--repeats 3 on none,spec: each level runs none, spec | spec, none | none, spec."""
+    calls = []
+
+    class FakeServer:
+        def __init__(self, mode):
+            self.base_url, self.argv = f"http://{mode}", ["serve"]
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(sb, "_start_server", lambda args, mode, port: FakeServer(mode))
+    monkeypatch.setattr(sb, "bench_mode", lambda url, model, prompts, levels, n, mt, mode:
+                        {"mode": mode, "served_model": "m", "levels": []})
+
+    def measure(url, served, prompts, c, n, max_tokens, mode):
+        calls.append((c, mode))
+        return _round(2.0 if mode == "spec" else 1.0, [float(len(calls))])
+
+    monkeypatch.setattr(sb, "measure_level", measure)
+    runs = sb.bench_interleaved(_args("--repeats", "3"), ["none", "spec"], ["p"], [1, 4])
+    order = ["none", "spec", "spec", "none", "none", "spec"]
+    assert calls == [(1, m) for m in order] + [(4, m) for m in order]
+    assert [[lv["output_tok_s"] for lv in run["levels"]] for run in runs] == [[1.0, 1.0], [2.0, 2.0]]
+    assert [r["ttft_s"] for r in runs[0]["levels"][1]["requests"]] == [7.0, 10.0, 11.0]  # calls 7, 10, 11

@@ -6,7 +6,10 @@ and k of the engine flags) the benchmark launches ``specserve serve`` as a subpr
 ``--num-requests`` requests with at most c in flight (an asyncio semaphore) on every mode in turn
 before the next level (the servers run side by side and idle while the other is measured, so
 drift of a shared machine over the run hits both modes alike; ``--sequential`` runs one whole
-server after the other, with half the memory), and finally stops the servers. Request i
+server after the other, with half the memory), and finally stops the servers. With ``--repeats R``
+each level runs R rounds on every mode, the order of the modes reversed every other round (none,
+spec, spec, none, ...: a linear drift cancels); a level's output tokens/s is then the median over
+its rounds, its latency percentiles are over the requests of all rounds. Request i
 sends HumanEval prompt ``i % n`` (mixed prompt lengths) to ``POST /v1/completions`` with
 ``stream: true``, ``temperature: 0``, ``max_tokens`` and ``ignore_eos: true``, so every request
 produces exactly ``--max-tokens`` tokens.
@@ -41,6 +44,7 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import socket
 import subprocess
 import sys
@@ -89,6 +93,9 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
                    help="run the modes one server after the other (half the memory); by default both servers "
                         "run side by side, idle in turn, and each concurrency level is measured on every mode "
                         "before the next level, so machine drift hits the modes alike")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds per level on every mode, the modes' order reversed every other round; "
+                        "output tok/s is the median over rounds (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="PNG plot of output tokens/s and TPOT vs concurrency (needs matplotlib)")
@@ -135,6 +142,10 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
         raise ValueError(f"--num-requests must be >= 1, got {args.num_requests}")
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.repeats > 1 and (args.sequential or args.base_url is not None):
+        raise ValueError(f"--repeats {args.repeats} needs the modes interleaved (not --sequential or --base-url)")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if not args.server_timeout > 0:
@@ -167,7 +178,7 @@ DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_token
                "eagle_topk", "num_draft_tokens")
 ENGINE_FLAGS = SERVER_FLAGS + DRAFT_FLAGS
 BENCH_FLAGS = ("concurrency", "num_requests", "max_tokens", "port", "modes", "server_timeout", "base_url",
-               "sequential", "json", "plot")
+               "sequential", "repeats", "json", "plot")
 
 
 def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -265,6 +276,46 @@ def spec_metrics_delta(before: dict[str, float] | None, after: dict[str, float] 
             "verify_steps": steps,
             "mean_acceptance_length": length_sum / steps if steps and length_sum is not None else None,
             "decode_steps_by_k": {k: n for k, n in sorted(by_k.items(), key=lambda kv: (len(kv[0]), kv[0])) if n}}
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One level's figures from its rounds (each as :func:`measure_level` returns it): output tok/s
+    is the median of the rounds', TTFT / TPOT / end-to-end percentiles are over every request,
+    token and step counts are summed; the requests carry their ``round``, and ``rounds`` keeps
+    each round's tok/s and wall time."""
+    if len(rounds) == 1:
+        return rounds[0]
+    reqs = [{**r, "round": i} for i, lv in enumerate(rounds) for r in lv["requests"]]
+    ttft = [r["ttft_s"] for r in reqs if r["ttft_s"] is not None]
+    tpot = [r["tpot_ms"] for r in reqs if r["tpot_ms"] is not None]
+    e2e = [r["e2e_s"] for r in reqs]
+    sds = [lv["spec_decode"] for lv in rounds]
+
+    def total(key: str) -> float | None:
+        vals = [sd.get(key) for sd in sds]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    drafted, accepted, steps = total("draft_tokens"), total("accepted_tokens"), total("verify_steps")
+    lengths = [sd.get("mean_acceptance_length") and sd["mean_acceptance_length"] * sd["verify_steps"] for sd in sds]
+    by_k: dict[str, float] = {}
+    for sd in sds:
+        for k, n in (sd.get("decode_steps_by_k") or {}).items():
+            by_k[k] = by_k.get(k, 0.0) + n
+    return {
+        "concurrency": rounds[0]["concurrency"], "num_requests": len(reqs),
+        "output_tokens": sum(lv["output_tokens"] for lv in rounds), "wall_s": sum(lv["wall_s"] for lv in rounds),
+        "output_tok_s": statistics.median(lv["output_tok_s"] for lv in rounds),
+        "ttft_median_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "tpot_median_ms": percentile(tpot, 50), "tpot_p99_ms": percentile(tpot, 99),
+        "e2e_median_s": percentile(e2e, 50), "e2e_p99_s": percentile(e2e, 99),
+        "spec_decode": {"draft_tokens": drafted, "accepted_tokens": accepted,
+                        "acceptance_rate": accepted / drafted if drafted and accepted is not None else None,
+                        "verify_steps": steps,
+                        "mean_acceptance_length": sum(x or 0.0 for x in lengths) / steps if steps else None,
+                        "decode_steps_by_k": by_k},
+        "rounds": [{"output_tok_s": lv["output_tok_s"], "wall_s": lv["wall_s"]} for lv in rounds],
+        "requests": reqs,
+    }
 
 
 def text_agreement(reference: dict, other: dict) -> dict:
@@ -465,9 +516,14 @@ def bench_interleaved(args: argparse.Namespace, modes: list[str], prompts: list[
             run["server_command"] = shlex.join(["specserve"] + server.argv)
             runs.append(run)
         for c in levels:
-            for run, server in zip(runs, servers):
-                run["levels"].append(measure_level(server.base_url, run["served_model"], prompts, c,
-                                                   args.num_requests, args.max_tokens, run["mode"]))
+            rounds: list[list[dict]] = [[] for _ in runs]
+            for r in range(args.repeats):
+                order = list(range(len(runs)))[::-1 if r % 2 else 1]
+                for i in order:
+                    rounds[i].append(measure_level(servers[i].base_url, runs[i]["served_model"], prompts, c,
+                                                   args.num_requests, args.max_tokens, runs[i]["mode"]))
+            for run, level_rounds in zip(runs, rounds):
+                run["levels"].append(combine_rounds(level_rounds))
     return runs
 
 
@@ -501,8 +557,9 @@ def measure_level(base_url: str, served: str, prompts: list[str], c: int, num_re
 
 
 def mode_texts(run: dict) -> dict[str, str]:
-    """``{"c<level>/<request index>": text}`` for one mode's run."""
-    return {f"c{lv['concurrency']}/{r['index']}": r["text"] for lv in run["levels"] for r in lv["requests"]}
+    """``{"c<level>/<request index>": text}`` (``c<level>/r<round>/<index>`` with rounds) for one mode's run."""
+    return {f"c{lv['concurrency']}/" + (f"r{r['round']}/" if "round" in r else "") + str(r["index"]): r["text"]
+            for lv in run["levels"] for r in lv["requests"]}
 
 
 def add_speedups(result: dict) -> None:
