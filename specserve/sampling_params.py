@@ -108,6 +108,11 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def has_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty changes the logits."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def effective_top_k(self) -> int:
         """top_k with both disabled spellings (0, -1) mapped to 0; a k at or past any vocabulary
         (capped at 2**31 - 1 so it fits an int64 tensor) keeps every token."""

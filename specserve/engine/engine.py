@@ -416,8 +416,7 @@ class LLMEngine:
         histories would need the drafts on the host)."""
         if not (self.proposer.supports_sync_free and all(eligible)):
             return False
-        if any(r.params.logprobs is not None or r.params.repetition_penalty != 1.0
-               or r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0 for r in reqs):
+        if any(r.params.logprobs is not None or r.params.has_penalties for r in reqs):
             return False
         return any(self._num_draft_tokens(r, k) > 0 for r in reqs)
 
@@ -441,9 +440,12 @@ class LLMEngine:
         drafts, draft_probs = prop.draft_chain_tensors(reqs, kmax, md)          # [B, K], [B, K, V]
         draft_end = time.perf_counter()
         newest = torch.tensor([r.all_token_ids[-1] for r in reqs], dtype=torch.int64).to(device)
-        ids = torch.cat([piece for i in range(len(reqs)) for piece in (newest[i:i + 1], drafts[i, :ks[i]])])
         ctx = [r.num_computed_tokens for r in reqs]
         qlens = [n + 1 for n in ks]
+        # sequence i's verified rows are entries [i, 0 .. ks[i]] of a [B, kmax + 1] block (newest
+        # token, then drafts): one gather picks them all, for the inputs and for the next tokens
+        flat = torch.tensor([i * (kmax + 1) + j for i, q in enumerate(qlens) for j in range(q)]).to(device)
+        ids = torch.cat([newest.unsqueeze(1), drafts], dim=1).view(-1)[flat]
         positions = [p for c, q in zip(ctx, qlens) for p in range(c, c + q)]
         hidden = self.runner.forward_tensors(ids, positions, [self.block_manager.block_table(r.seq_id) for r in reqs],
                                              ctx, qlens)
@@ -454,7 +456,7 @@ class LLMEngine:
         rows = torch.tensor([[s + min(j, n) for j in range(kmax + 1)] for s, n in zip(starts, ks)])
         target_probs = probs[rows.to(device)]                                   # [B, K + 1, V]
         num_acc, out = rejection_sample_tensors(drafts, ks, draft_probs, target_probs, md.is_greedy, md.generators)
-        next_ids = torch.cat([out[i, :q] for i, q in enumerate(qlens)]).clamp(min=0)   # -1 pads rejected rows
+        next_ids = out.reshape(-1)[flat].clamp(min=0)                           # -1 pads rejected rows
         prop.refill_in_step(reqs, hidden, next_ids, qlens, num_acc)
         verified = torch.cat([num_acc.unsqueeze(1), out], dim=1).tolist()      # the step's one host read
         t2 = time.perf_counter()
@@ -517,11 +519,11 @@ class LLMEngine:
         (tree attention on the draft block, positions root + depth), accept the longest path the
         target agrees with (:func:`~specserve.spec_decode.tree.accept_tree`) and move its KV
         entries to the sequence's next slots."""
-        bs = self.block_manager.block_size
-        tables = [self.block_manager.block_table(r.seq_id) for r in reqs]
-        # the whole tree must fit the reserved pages (not so only next to max_model_len)
-        depths = [d if len(t) * bs >= r.num_tokens + self.proposer.max_tree_nodes else 0
-                  for d, t, r in zip(depths, tables, reqs)]
+        bm = self.block_manager
+        tables = [bm.block_table(r.seq_id) for r in reqs]
+        # the whole tree must fit the reserved slots (not so only next to max_model_len)
+        depths = [d if bm.num_tokens(r.seq_id) >= r.num_tokens + self.proposer.max_tree_nodes else 0
+                  for d, r in zip(depths, reqs)]
         trees = self.proposer.propose_trees(reqs, depths)
         draft_end = time.perf_counter()
         inputs = [ModelInput(t.token_ids, r.num_computed_tokens, table, t.positions(r.num_computed_tokens))
@@ -531,19 +533,18 @@ class LLMEngine:
         for t in trees:
             starts.append(starts[-1] + t.num_nodes)
         logits = self.runner.compute_logits(fwd.hidden_states, list(range(starts[-1])))  # [sum(N+1), V]
-        row_reqs, histories = [], []
-        for t, r in zip(trees, reqs):
-            for node in range(t.num_nodes):
-                row_reqs.append(r)
-                histories.append(r.output_token_ids + [t.token_ids[n] for n in t.path(node)])
+        row_reqs = [r for t, r in zip(trees, reqs) for _ in range(t.num_nodes)]
+        histories = None   # penalties see the path's drafts as output; nothing else reads histories
+        if any(r.params.has_penalties for r in reqs):
+            histories = [r.output_token_ids + [t.token_ids[n] for n in t.path(node)]
+                         for t, r in zip(trees, reqs) for node in range(t.num_nodes)]
         md = sampling_metadata(row_reqs, histories, self.runner.device)
         probs = compute_probs(logits, md)
         emitted, accepted, drafted, rows = [], [], [], []
         for i, (t, r) in enumerate(zip(trees, reqs)):
             acc = accept_tree(t, probs[starts[i]:starts[i + 1]], r.params.greedy, r.generator)
             ctx = r.num_computed_tokens
-            idx = torch.arange(ctx, ctx + t.num_nodes)
-            slots = torch.tensor(tables[i], dtype=torch.int64)[idx // bs] * bs + idx % bs
+            slots = torch.tensor(bm.slot_mapping(r.seq_id, ctx, ctx + t.num_nodes), dtype=torch.int64)
             compact_accepted_kv(self.kv_cache.key_cache, self.kv_cache.value_cache, slots, acc.accepted_nodes)
             emitted.append(acc.output_token_ids)
             accepted.append(len(acc.accepted_nodes))

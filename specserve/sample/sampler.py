@@ -117,18 +117,13 @@ class SamplingMetadata:
             any_top_k=any(p.effective_top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
-            any_penalties=any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                              for p in params),
+            any_penalties=any(p.has_penalties for p in params),
         )
 
     @property
     def greedy_mask(self) -> Tensor:
         """[B] bool: rows decoded by argmax."""
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.any_penalties
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> Tensor:
@@ -153,7 +148,7 @@ def apply_penalties(logits: Tensor, md: SamplingMetadata) -> Tensor:
     by the penalty and non-positive ones multiplied by it. Then, for OUTPUT tokens only,
     ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
     """
-    if not md.has_penalties:
+    if not md.any_penalties:
         return logits
     v = logits.shape[-1]
     out_counts = _token_counts(md.output_token_ids, v, logits.device)

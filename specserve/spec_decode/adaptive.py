@@ -22,8 +22,8 @@ vary by +-15% on a busy CPU, and one threshold between them made a batch-1 serve
 speculation off on noise, while a low single threshold let it run where it barely paid and the
 draft's prompt prefill then made the server slower. A bucket whose maximum k is measured for the
 first time after the draft has prefilled every sequence of the batch counts as on: that prefill
-is paid. (At batch 4, 1.5B target, 0.5B draft, k = 2 decodes 1.36x faster, close to the 1.3
-bar: one noisy first measurement switched the draft off right after it had prefilled the batch.)
+is paid. (Serving run H, 1.5B target, 0.5B draft: at batch 4 the draft prefilled the batch, k = 2
+ran 3 steps, and the 1.3 bar switched it off, throwing the prefill away.)
 
 The draft's prefill of each new prompt is not part of a decode step, yet it is the largest cost
 of speculating in a busy server (for a 0.5B draft of a 1.5B target, a third of the target's own
@@ -58,7 +58,7 @@ class _Bucket:
     arms: list[_Arm]
     steps: int = 0
     batch_size: float = 0.0                # EMA of the batch sizes timed in this bucket
-    speculating: bool = False              # the last decision by estimate chose a k > 0
+    speculating: bool = False              # on: the last decision chose a k > 0, or the draft followed all
     explore: int | None = None             # an arm being measured: run it twice, record the second
     explore_left: int = 0
 

@@ -209,9 +209,9 @@ def build_static_trees(roots: list[int], root_logprobs: torch.Tensor, spec: Tree
         depth_of[n] = depth_of[spec.parents[n]] + 1
     # per (sequence, tree node): the top tokens and log-probabilities of its children
     tops: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+    values, tokens = _top(root_logprobs, num_children[0])
     for i in range(b):
-        top = torch.topk(root_logprobs[i], num_children[0])
-        tops[(i, 0)] = (top.values.tolist(), top.indices.tolist())
+        tops[(i, 0)] = (values[i], tokens[i])
     for depth in range(1, spec.depth + 1):
         level = [n for n in range(1, len(spec.parents)) if depth_of[n] == depth]
         need = []
@@ -230,11 +230,18 @@ def build_static_trees(roots: list[int], root_logprobs: torch.Tensor, spec: Tree
                 if n in num_children and (limits is None or depth < limits[i]):
                     need.append(ExpandItem(i, node, parent, tree.token_ids[node]))
         if need:
-            logprobs = expand(need)
-            for item, lp in zip(need, logprobs):
-                top = torch.topk(lp, num_children[spec_of[item.seq][item.node]])
-                tops[(item.seq, item.node)] = (top.values.tolist(), top.indices.tolist())
+            widths = [num_children[spec_of[item.seq][item.node]] for item in need]
+            values, tokens = _top(expand(need), max(widths))
+            for item, w, v, t in zip(need, widths, values, tokens):
+                tops[(item.seq, item.node)] = (v[:w], t[:w])
     return trees
+
+
+def _top(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The k best of every row of ``logprobs [R, V]``, best first, as host lists: one topk and
+    one read back for a whole tree level."""
+    top = torch.topk(logprobs, k)
+    return top.values.tolist(), top.indices.tolist()
 
 
 def build_dynamic_trees(roots: list[int], root_logprobs: torch.Tensor, depth: int, topk: int,
@@ -251,11 +258,11 @@ def build_dynamic_trees(roots: list[int], root_logprobs: torch.Tensor, depth: in
     # candidates per sequence: (cumulative score, token, parent id); id 0 is the root
     cands: list[list[tuple[float, int, int]]] = [[(0.0, roots[i], -1)] for i in range(b)]
     level: list[list[int]] = [[] for _ in range(b)]
+    root_values, root_tokens = _top(root_logprobs, topk)
     for i in range(b):
         if limits is not None and limits[i] < 1:
             continue
-        top = torch.topk(root_logprobs[i], topk)
-        for v, t in zip(top.values.tolist(), top.indices.tolist()):
+        for v, t in zip(root_values[i], root_tokens[i]):
             cands[i].append((v, t, 0))
             level[i].append(len(cands[i]) - 1)
     for d in range(2, depth + 1):
@@ -268,10 +275,9 @@ def build_dynamic_trees(roots: list[int], root_logprobs: torch.Tensor, depth: in
         level = [[] for _ in range(b)]
         if not need:
             break
-        for item, lp in zip(need, expand(need)):
-            top = torch.topk(lp, topk)
+        for item, values, tokens in zip(need, *_top(expand(need), topk)):
             base = cands[item.seq][item.node][0]
-            for v, t in zip(top.values.tolist(), top.indices.tolist()):
+            for v, t in zip(values, tokens):
                 cands[item.seq].append((base + v, t, item.node))
                 level[item.seq].append(len(cands[item.seq]) - 1)
     trees = []
@@ -323,11 +329,12 @@ def accept_tree(tree: DraftTree, target_probs: torch.Tensor, greedy: bool,
         :class:`TreeAcceptance`.
     """
     node, accepted = 0, []
+    argmax = target_probs.argmax(dim=-1).tolist() if greedy else None   # one read for the whole tree
     while True:
         kids = tree.children(node)
         p = target_probs[node]
         if greedy:
-            best = int(torch.argmax(p))
+            best = argmax[node]
             nxt = next((c for c in kids if tree.token_ids[c] == best), None)
             if nxt is None:
                 return TreeAcceptance(accepted, [tree.token_ids[n] for n in accepted] + [best])
