@@ -118,12 +118,42 @@ def test_speedups_and_markdown_table():
     result["agreement"] = {"identical": 3, "total": 4, "differences": [{"request": "c4/3", "first_diff_char": 9}]}
     md = sb.render_markdown(result)
     assert "| mode | concurrency | requests | output tok/s | speedup vs none |" in md
-    assert "| none | 1 | 8 | 10.00 | 1.00 | 0.500 | 1.250 | 100.0 | 150.0 | - | - |" in md
-    assert "| spec | 1 | 8 | 15.00 | 1.50 | 0.500 | 1.250 | 100.0 | 150.0 | 0.80 | - |" in md
+    assert "| none | 1 | 8 | 10.00 | 1.00 | 0.500 | 1.250 | 100.0 | 150.0 | - | - | - |" in md
+    assert "| spec | 1 | 8 | 15.00 | 1.50 | 0.500 | 1.250 | 100.0 | 150.0 | 0.80 | - | - |" in md
     assert "draft d k=2" in md
     assert "identical to none on 3/4 requests" in md and "c4/3 at char 9" in md
     rows = [line for line in md.splitlines() if line.startswith("| ") and line[2:6] in ("none", "spec")]
     assert len(rows) == 4
+
+
+def test_paired_round_speedups_and_table():
+    """With rounds, each round's spec tok/s is divided by the none tok/s of the same round and the
+    level's speedup is the median of those ratios: none (10, 20, 12) and spec (11, 18, 20) give
+    1.1, 0.9, 1.667 -> 1.1, where the ratio of the medians would say 18 / 12 = 1.5."""
+    def level(tok_s_rounds, by_k=None):
+        return {"concurrency": 4, "num_requests": 8, "output_tokens": 512, "wall_s": 10.0,
+                "output_tok_s": sorted(tok_s_rounds)[1], "ttft_median_s": 0.5, "ttft_p99_s": 1.25,
+                "tpot_median_ms": 100.0, "tpot_p99_ms": 150.0, "e2e_median_s": 7.0, "e2e_p99_s": 8.0,
+                "spec_decode": {"decode_steps_by_k": by_k or {}},
+                "rounds": [{"output_tok_s": x, "wall_s": 1.0} for x in tok_s_rounds], "requests": []}
+    result = {"machine": {"cpu": "cpu", "cpu_count": 2, "torch": "2"},
+              "config": {"model": "m", "dtype": "float32", "speculative_model": "d", "num_speculative_tokens": 2,
+                         "modes": ["none", "spec"], "concurrency": [4], "num_prompts": 8, "max_tokens": 64},
+              "runs": [{"mode": "none", "levels": [level([10.0, 20.0, 12.0])]},
+                       {"mode": "spec", "levels": [level([11.0, 18.0, 20.0], {"0": 4.0, "2": 30.0, "1": 2.0})]}]}
+    sb.add_speedups(result)
+    spec = result["runs"][1]["levels"][0]
+    assert spec["round_speedups"] == pytest.approx([1.1, 0.9, 20 / 12])
+    assert spec["speedup_vs_none"] == pytest.approx(1.1)
+    assert result["runs"][0]["levels"][0]["speedup_vs_none"] == 1.0
+    assert "round_speedups" not in result["runs"][0]["levels"][0]
+    md = sb.render_markdown(result)
+    assert ("| spec | 4 | 8 | 18.00 (11.00, 18.00, 20.00) | 1.10 (1.10, 0.90, 1.67) | 0.500 | 1.250 "
+            "| 100.0 | 150.0 | - | - | k=2: 30, k=1: 2, k=0: 4 |") in md
+    # a mode without rounds next to one with them falls back to the ratio of the figures
+    del result["runs"][1]["levels"][0]["rounds"]
+    sb.add_speedups(result)
+    assert result["runs"][1]["levels"][0]["speedup_vs_none"] == pytest.approx(18.0 / 12.0)
 
 
 def test_write_plot(tmp_path):

@@ -563,19 +563,37 @@ def mode_texts(run: dict) -> dict[str, str]:
 
 
 def add_speedups(result: dict) -> None:
-    """Per level, output tok/s over the ``none`` mode's at the same concurrency (None without it)."""
-    base = {lv["concurrency"]: lv["output_tok_s"] for run in result["runs"] if run["mode"] == "none"
-            for lv in run["levels"]}
+    """Per level, output tok/s over the ``none`` mode's at the same concurrency (None without it).
+
+    With rounds (``--repeats``), each round's ratio pairs the two modes measured next to each other
+    in time (the order alternates, so slow drift of the machine falls on both), and the level's
+    ``speedup_vs_none`` is the median of those paired ratios (``round_speedups``) rather than a
+    ratio of medians that may come from different rounds."""
+    base = {lv["concurrency"]: lv for run in result["runs"] if run["mode"] == "none" for lv in run["levels"]}
     for run in result["runs"]:
         for lv in run["levels"]:
             b = base.get(lv["concurrency"])
-            lv["speedup_vs_none"] = lv["output_tok_s"] / b if b and lv["output_tok_s"] is not None else None
+            if b is None or not b["output_tok_s"] or lv["output_tok_s"] is None:
+                lv["speedup_vs_none"] = None
+                continue
+            mine, theirs = lv.get("rounds"), b.get("rounds")
+            if lv is not b and mine and theirs and len(mine) == len(theirs):
+                lv["round_speedups"] = [m["output_tok_s"] / t["output_tok_s"] for m, t in zip(mine, theirs)]
+                lv["speedup_vs_none"] = statistics.median(lv["round_speedups"])
+            else:
+                lv.pop("round_speedups", None)
+                lv["speedup_vs_none"] = lv["output_tok_s"] / b["output_tok_s"]
 
 
 # ----------------------------------------------------------------------------------------- report
 
 def _fmt(x: float | None, nd: int = 2) -> str:
     return "-" if x is None else f"{x:.{nd}f}"
+
+
+def _fmt_rounds(xs: list[float]) -> str:
+    """`` (a, b, ...)``: each round's figure after the combined one; empty for a single round."""
+    return " (" + ", ".join(_fmt(x) for x in xs) + ")" if len(xs) > 1 else ""
 
 
 def render_markdown(result: dict) -> str:
@@ -591,17 +609,21 @@ def render_markdown(result: dict) -> str:
         f"{cfg['num_prompts']}), {cfg['max_tokens']} tokens per request (EOS ignored), greedy, streamed",
         "",
         "| mode | concurrency | requests | output tok/s | speedup vs none | TTFT median (s) | TTFT p99 (s) "
-        "| TPOT median (ms) | TPOT p99 (ms) | acceptance rate | mean acceptance length |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| TPOT median (ms) | TPOT p99 (ms) | acceptance rate | mean acceptance length | decode steps by k |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in result["runs"]:
         for lv in run["levels"]:
             sd = lv.get("spec_decode") or {}
-            lines.append(f"| {run['mode']} | {lv['concurrency']} | {lv['num_requests']} | {_fmt(lv['output_tok_s'])} "
-                         f"| {_fmt(lv.get('speedup_vs_none'))} | {_fmt(lv['ttft_median_s'], 3)} "
+            tok_s = _fmt(lv["output_tok_s"]) + _fmt_rounds([r["output_tok_s"] for r in lv.get("rounds", [])])
+            speedup = _fmt(lv.get("speedup_vs_none")) + _fmt_rounds(lv.get("round_speedups", []))
+            by_k = sd.get("decode_steps_by_k") or {}
+            steps = ", ".join(f"k={k}: {n:g}" for k, n in sorted(by_k.items(), key=lambda kv: -int(kv[0])))
+            lines.append(f"| {run['mode']} | {lv['concurrency']} | {lv['num_requests']} | {tok_s} "
+                         f"| {speedup} | {_fmt(lv['ttft_median_s'], 3)} "
                          f"| {_fmt(lv['ttft_p99_s'], 3)} | {_fmt(lv['tpot_median_ms'], 1)} "
                          f"| {_fmt(lv['tpot_p99_ms'], 1)} | {_fmt(sd.get('acceptance_rate'))} "
-                         f"| {_fmt(sd.get('mean_acceptance_length'))} |")
+                         f"| {_fmt(sd.get('mean_acceptance_length'))} | {steps or '-'} |")
     a = result.get("agreement")
     if a:
         lines += ["", f"greedy texts of spec identical to none on {a['identical']}/{a['total']} requests"
@@ -611,27 +633,41 @@ def render_markdown(result: dict) -> str:
 
 
 def write_plot(result: dict, path: str) -> str | None:
-    """PNG: output tokens/s vs concurrency and median TPOT vs concurrency, one line per mode (log2 x);
+    """PNG: output tokens/s, median TPOT and the speedup over ``none`` vs concurrency, one line per
+    mode (log2 x), each round as a dot;
     returns a note instead when matplotlib is missing."""
     plt, note = load_pyplot(path)
     if plt is None:
         return note
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.8))
     for run in result["runs"]:
         cs = [lv["concurrency"] for lv in run["levels"]]
-        ax1.plot(cs, [lv["output_tok_s"] for lv in run["levels"]], marker="o", label=run["mode"])
+        line, = ax1.plot(cs, [lv["output_tok_s"] for lv in run["levels"]], marker="o", label=run["mode"])
         ax2.plot(cs, [lv["tpot_median_ms"] for lv in run["levels"]], marker="o", label=run["mode"])
+        for lv in run["levels"]:  # each round as a faint dot around the median
+            rounds = [r["output_tok_s"] for r in lv.get("rounds", [])]
+            ax1.scatter([lv["concurrency"]] * len(rounds), rounds, s=12, color=line.get_color(), alpha=0.4)
+        if run["mode"] != "none" and any(lv.get("speedup_vs_none") for lv in run["levels"]):
+            ax3.plot(cs, [lv.get("speedup_vs_none") for lv in run["levels"]], marker="o",
+                     color=line.get_color(), label=f"{run['mode']} / none")
+            for lv in run["levels"]:
+                ratios = lv.get("round_speedups", [])
+                ax3.scatter([lv["concurrency"]] * len(ratios), ratios, s=12, color=line.get_color(), alpha=0.4)
+    ax3.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
     cfg = result["config"]
-    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "median TPOT (ms)")):
+    for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "median TPOT (ms)"), (ax3, "output tok/s ratio")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (requests in flight)")
         ax.set_ylabel(ylabel)
         ax.set_xticks(cfg["concurrency"])
         ax.set_xticklabels([str(c) for c in cfg["concurrency"]])
-        ax.set_ylim(bottom=0)
-        ax.legend()
+        if ax is not ax3:
+            ax.set_ylim(bottom=0)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     ax1.set_title(f"{cfg['model']}, {cfg['max_tokens']} tokens/request")
     ax2.set_title("time per output token")
+    ax3.set_title("speedup vs none (dots: paired rounds)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
