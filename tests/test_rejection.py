@@ -133,3 +133,45 @@ def test_seeded_row_draws_do_not_depend_on_batch_k():
                             torch.stack([p3, p3]), torch.tensor([False, False]),
                             [torch.Generator().manual_seed(5), torch.Generator().manual_seed(6)])
     assert both.output_token_ids[0] == one.output_token_ids[0]
+
+
+def test_implicit_one_hot_draft_equals_dense_one_hot():
+    """draft_probs=None (deterministic drafts, n-gram lookup) draws exactly what the explicit one-hot
+    q gives, row for row under the same seeds: mixed draft counts, greedy and sampled rows, drafts
+    the target gives probability 0 (always rejected)."""
+    g = torch.Generator().manual_seed(3)
+    rows, k = 64, 3
+    p = torch.stack([torch.stack([dirichlet(g) for _ in range(k + 1)]) for _ in range(rows)])  # [rows, k+1, V]
+    p[::5, 0] = torch.tensor([0.5, 0.5, 0, 0, 0, 0])   # and those rows draft token 2 there: p(d) = 0
+    drafts = torch.randint(0, V, (rows, k), generator=g)
+    drafts[::5, 0] = 2
+    counts = [i % (k + 1) for i in range(rows)]
+    greedy = torch.tensor([i % 7 == 0 for i in range(rows)])
+    dense = torch.nn.functional.one_hot(drafts, V).float()
+
+    def run(q):
+        torch.manual_seed(11)
+        return rejection_sample(drafts, counts, q, p, greedy,
+                                [torch.Generator().manual_seed(i) if i % 3 == 0 else None for i in range(rows)])
+
+    implicit, explicit = run(None), run(dense)
+    assert implicit.output_token_ids == explicit.output_token_ids
+    assert implicit.num_accepted == explicit.num_accepted
+    assert all(implicit.num_accepted[i] == 0 for i in range(0, rows, 5) if counts[i] > 0)
+    assert len(set(implicit.num_accepted)) > 1   # both accepted and rejected drafts were exercised
+
+
+def test_implicit_one_hot_draft_follows_target():
+    """A fixed draft token 4 with implicit one-hot q: the first emitted token follows p exactly
+    (chi-square over N rows), and the second, when the draft was accepted, follows p2."""
+    g = torch.Generator().manual_seed(8)
+    p1, p2 = dirichlet(g), dirichlet(g)
+    drafts = torch.full((N, 1), 4)
+    torch.manual_seed(1)
+    out = rejection_sample(drafts, [1] * N, None, torch.stack([p1, p2]).expand(N, 2, V).contiguous(),
+                           torch.zeros(N, dtype=torch.bool), [None] * N)
+    first = torch.tensor([o[0] for o in out.output_token_ids])
+    assert chi_square_pvalue(torch.bincount(first, minlength=V), p1) > 1e-3
+    second = torch.tensor([o[1] for o in out.output_token_ids if len(o) == 2])
+    assert abs(len(second) / N - float(p1[4])) < 4 * (float(p1[4] * (1 - p1[4])) / N) ** 0.5
+    assert chi_square_pvalue(torch.bincount(second, minlength=V), p2) > 1e-3

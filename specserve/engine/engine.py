@@ -493,11 +493,10 @@ class LLMEngine:
         num_rows = sum(k + 1 for k in ks)
         logits = self.runner.compute_logits(fwd.hidden_states, list(range(num_rows)))  # [sum(k+1), V]
         # one sampling row per (request, position): position j sees the drafts before it as output
-        row_reqs, histories = [], []
-        for i, r in enumerate(reqs):
-            for j in range(ks[i] + 1):
-                row_reqs.append(r)
-                histories.append(r.output_token_ids + drafts[i][:j])
+        row_reqs = [r for i, r in enumerate(reqs) for _ in range(ks[i] + 1)]
+        histories = None   # only penalties read the histories
+        if any(r.params.has_penalties for r in reqs):
+            histories = [r.output_token_ids + drafts[i][:j] for i, r in enumerate(reqs) for j in range(ks[i] + 1)]
         md = sampling_metadata(row_reqs, histories, self.runner.device)
         probs = compute_probs(logits, md)  # [sum(k+1), V]
         kmax = proposal.draft_token_ids.shape[1]

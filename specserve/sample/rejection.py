@@ -44,7 +44,7 @@ def recovery_distribution(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(total > 0, residual / total.clamp(min=torch.finfo(p.dtype).tiny), p)
 
 
-def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft_probs: Tensor,
+def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft_probs: Tensor | None,
                      target_probs: Tensor, greedy: Tensor,
                      generators: list[torch.Generator | None]) -> RejectionOutput:
     """Accept a prefix of each row's draft and emit one recovered or bonus token.
@@ -52,7 +52,10 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
     Args:
         draft_token_ids: ``[B, K]`` int64 proposed tokens (row b uses its first ``num_draft_tokens[b]``).
         num_draft_tokens: per row, ``0 <= n_b <= K``.
-        draft_probs: ``[B, K, V]`` float32, ``q_j``: the distribution each draft token was drawn from.
+        draft_probs: ``[B, K, V]`` float32, ``q_j``: the distribution each draft token was drawn from;
+            None for deterministic proposals (n-gram lookup), whose ``q_j`` is one-hot at ``d_j``:
+            a draft is then accepted with probability ``p_j(d_j)`` and the residual is ``p_j``
+            without ``d_j``, with no ``[B, K, V]`` tensor built.
         target_probs: ``[B, K + 1, V]`` float32, ``p_j``: the target's distribution at each draft
             position, plus the position after the last draft (bonus).
         greedy: ``[B]`` bool (host), rows decoded by argmax (no random numbers are drawn for them).
@@ -69,7 +72,7 @@ def rejection_sample(draft_token_ids: Tensor, num_draft_tokens: list[int], draft
     return RejectionOutput([rows[i][:num_acc_list[i] + 1] for i in range(len(rows))], num_acc_list)
 
 
-def rejection_sample_tensors(draft_token_ids: Tensor, num_draft_tokens: list[int], draft_probs: Tensor,
+def rejection_sample_tensors(draft_token_ids: Tensor, num_draft_tokens: list[int], draft_probs: Tensor | None,
                              target_probs: Tensor, is_greedy: list[bool],
                              generators: list[torch.Generator | None]) -> tuple[Tensor, Tensor]:
     """:func:`rejection_sample` without reading anything back to the host (the sync-free step).
@@ -89,7 +92,7 @@ def rejection_sample_tensors(draft_token_ids: Tensor, num_draft_tokens: list[int
     else:
         ids = draft_token_ids.unsqueeze(-1)                                   # [B, K, 1]
         p_d = target_probs[:, :k].gather(-1, ids).squeeze(-1)                 # [B, K]
-        q_d = draft_probs.gather(-1, ids).squeeze(-1)                         # [B, K]
+        q_d = torch.ones_like(p_d) if draft_probs is None else draft_probs.gather(-1, ids).squeeze(-1)  # [B, K]
         u = torch.zeros(b, k, dtype=torch.float32, device=device)
         gen_rows = [i for i, g in enumerate(is_greedy) if not g]
         shared = [i for i in gen_rows if generators[i] is None]
@@ -107,7 +110,11 @@ def rejection_sample_tensors(draft_token_ids: Tensor, num_draft_tokens: list[int
     p_last = target_probs[rows, num_acc]                                      # [B, V]
     if k > 0:   # rows that stopped at a rejection draw from the residual
         rejected = (num_acc < num_draft).unsqueeze(1)
-        q_last = draft_probs[rows, num_acc.clamp(max=k - 1)]
+        at = num_acc.clamp(max=k - 1)
+        if draft_probs is None:   # one-hot at the rejected draft
+            q_last = torch.zeros_like(p_last).scatter_(1, draft_token_ids[rows, at].unsqueeze(1), 1.0)
+        else:
+            q_last = draft_probs[rows, at]
         final_dist = torch.where(rejected, recovery_distribution(p_last, q_last), p_last)
     else:
         final_dist = p_last

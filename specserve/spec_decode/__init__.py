@@ -76,7 +76,7 @@ def _build_ngram(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
     from specserve.spec_decode.ngram import NgramProposer
 
     cfg = engine.spec_config
-    return NgramProposer(engine.model_config.vocab_size, cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    return NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
 
 PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[["LLMEngine", "LoadedModel | None"], Proposer]] = {

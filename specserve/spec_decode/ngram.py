@@ -47,14 +47,12 @@ def find_ngram_continuation(token_ids: list[int] | torch.Tensor, max_ngram: int,
 
 class NgramProposer(Proposer):
     """Args:
-        vocab_size: the target's vocabulary size (width of the one-hot draft distributions).
         prompt_lookup_max / prompt_lookup_min: n-gram lengths matched, longest first.
     """
 
     cheap_catch_up = True   # nothing to prefill: every sequence can draft at once
 
-    def __init__(self, vocab_size: int, prompt_lookup_max: int, prompt_lookup_min: int):
-        self.vocab_size = vocab_size
+    def __init__(self, prompt_lookup_max: int, prompt_lookup_min: int):
         self.prompt_lookup_max = prompt_lookup_max
         self.prompt_lookup_min = prompt_lookup_min
 
@@ -72,13 +70,11 @@ class NgramProposer(Proposer):
                   for r, k in zip(reqs, num_draft_tokens)]
         k = max((len(d) for d in drafts), default=0)
         draft_ids = torch.zeros(len(reqs), k, dtype=torch.int64)
-        draft_probs = torch.zeros(len(reqs), k, self.vocab_size, dtype=torch.float32)
         for i, d in enumerate(drafts):
             if d:
-                ids = torch.tensor(d, dtype=torch.int64)
-                draft_ids[i, :len(d)] = ids
-                draft_probs[i, torch.arange(len(d)), ids] = 1.0
-        return DraftProposal(draft_ids, draft_probs, [len(d) for d in drafts])
+                draft_ids[i, :len(d)] = torch.tensor(d, dtype=torch.int64)
+        # lookup is deterministic: each draft's distribution is one-hot, left implicit
+        return DraftProposal(draft_ids, None, [len(d) for d in drafts])
 
     def on_verified(self, req: Request, num_accepted: int) -> None:
         pass

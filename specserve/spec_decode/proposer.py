@@ -21,10 +21,11 @@ from specserve.sample.sampler import compute_probs, draw
 class DraftProposal:
     """``draft_token_ids [B, K]`` int64 (row b uses its first ``num_draft_tokens[b]``; padding 0) and
     ``draft_probs [B, K, V]`` float32, the distribution each draft token was drawn from, over the
-    target's vocabulary (the rejection sampler divides by it)."""
+    target's vocabulary (the rejection sampler divides by it), or None when every draft token was
+    chosen deterministically (its distribution is one-hot: n-gram lookup)."""
 
     draft_token_ids: torch.Tensor
-    draft_probs: torch.Tensor
+    draft_probs: torch.Tensor | None
     num_draft_tokens: list[int]
 
 
