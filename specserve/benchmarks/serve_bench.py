@@ -644,15 +644,13 @@ def write_plot(result: dict, path: str) -> str | None:
         cs = [lv["concurrency"] for lv in run["levels"]]
         line, = ax1.plot(cs, [lv["output_tok_s"] for lv in run["levels"]], marker="o", label=run["mode"])
         ax2.plot(cs, [lv["tpot_median_ms"] for lv in run["levels"]], marker="o", label=run["mode"])
-        for lv in run["levels"]:  # each round as a faint dot around the median
-            rounds = [r["output_tok_s"] for r in lv.get("rounds", [])]
-            ax1.scatter([lv["concurrency"]] * len(rounds), rounds, s=12, color=line.get_color(), alpha=0.4)
         if run["mode"] != "none" and any(lv.get("speedup_vs_none") for lv in run["levels"]):
             ax3.plot(cs, [lv.get("speedup_vs_none") for lv in run["levels"]], marker="o",
                      color=line.get_color(), label=f"{run['mode']} / none")
-            for lv in run["levels"]:
-                ratios = lv.get("round_speedups", [])
-                ax3.scatter([lv["concurrency"]] * len(ratios), ratios, s=12, color=line.get_color(), alpha=0.4)
+        for lv in run["levels"]:  # each round as a faint dot around the median
+            for ax, ys in ((ax1, [r["output_tok_s"] for r in lv.get("rounds", [])]),
+                           (ax3, lv.get("round_speedups", []))):
+                ax.scatter([lv["concurrency"]] * len(ys), ys, s=12, color=line.get_color(), alpha=0.4)
     ax3.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
     cfg = result["config"]
     for ax, ylabel in ((ax1, "output tokens/s"), (ax2, "median TPOT (ms)"), (ax3, "output tok/s ratio")):

@@ -46,7 +46,8 @@ class SamplingMetadata:
 
     temperature: [B] float32, 0 for greedy rows. top_k: [B] int64, 0 = off. top_p, min_p: [B]
     float32. repetition/presence/frequency_penalty: [B] float32. prompt_token_ids and
-    output_token_ids: per-row token lists (penalties use them). generators: per-row generator or
+    output_token_ids: per-row token lists, read only by penalties (held, not copied: build the
+    metadata right before sampling, as every caller does). generators: per-row generator or
     None (shared default RNG). max_num_logprobs: K top logprobs to return (0 = none).
     return_logprobs: return the sampled token's logprob (implied by max_num_logprobs > 0).
     """
@@ -108,8 +109,9 @@ class SamplingMetadata:
             repetition_penalty=f32([p.repetition_penalty for p in params]),
             presence_penalty=f32([p.presence_penalty for p in params]),
             frequency_penalty=f32([p.frequency_penalty for p in params]),
-            prompt_token_ids=[list(t) for t in prompt_token_ids],
-            output_token_ids=[list(t) for t in output_token_ids],
+            # held, not copied: copying every row's prompt and output each step cost O(B x length)
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
             generators=list(generators),
             max_num_logprobs=max([p.logprobs or 0 for p in params], default=0),
             return_logprobs=any(p.logprobs is not None for p in params),
