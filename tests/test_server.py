@@ -271,7 +271,7 @@ def test_unknown_model_is_404(server):
         client(server).completions.create(model=NAME, prompt="x", max_tokens=2, top_p=5)
 
 
-def test_queue_limit_is_503(smollm2):
+def test_queue_limit_is_503_and_a_request_larger_than_the_queue_is_400(smollm2):
     s = start_server(_spec_engine(smollm2), NAME, max_queue_len=2)
     try:
         async def run():
@@ -283,6 +283,10 @@ def test_queue_limit_is_503(smollm2):
         rejected = [r for r in results if isinstance(r, Exception)]
         assert rejected and all(getattr(r, "status_code", None) == 503 for r in rejected)
         assert any(not isinstance(r, Exception) for r in results)
+        # a request bigger than the whole queue can never be admitted: 400 naming the limit, not 503
+        with pytest.raises(BadRequestError) as e:
+            client(s).completions.create(model=NAME, prompt=PROMPTS[:2], n=2, max_tokens=2)
+        assert "4 completions" in str(e.value) and "queue limit of 2" in str(e.value)
         s.wait_idle()
         assert s.all_pages_free()
     finally:

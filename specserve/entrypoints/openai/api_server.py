@@ -99,6 +99,12 @@ def _check_model(state: ServerState, model: str) -> None:
 
 
 def _check_queue(state: ServerState, num_new: int) -> None:
+    """503 while the waiting queue cannot take ``num_new`` more sequences (n x prompts); 400 for a
+    request that alone exceeds the limit, since retrying it could never succeed."""
+    if num_new > state.max_queue_len:
+        raise APIError(400, f"this request asks for {num_new} completions (n x prompts), more than the "
+                            f"server's queue limit of {state.max_queue_len}; lower n or send fewer prompts",
+                       param="n")
     if not state.engine.is_running:
         raise APIError(503, "the engine has stopped", type_="service_unavailable")
     waiting = state.engine.num_waiting + state.engine.num_pending
