@@ -125,8 +125,9 @@ class SpeculativeConfig:
             :mod:`specserve.models.draft_head`); unused by ``"ngram"``.
         num_speculative_tokens: k, draft tokens proposed per step (>= 1); for ``"eagle"`` the tree's
             depth (a static tree sets it to its own depth).
-        draft_quantization: ``None`` (float, like the target) or ``"int8"`` (dynamic int8 linears:
-            a cheaper draft; output stays exact because the target verifies every token).
+        draft_quantization: the draft model's ``quantization``: ``None`` (the same as the target's),
+            ``"none"`` (float), ``"int8"`` or ``"int4"``. A draft's numerics change which tokens are
+            proposed, never which are emitted: the target verifies every token.
         adaptive: choose k <= ``num_speculative_tokens`` for every decode step from measured
             acceptance and step cost, down to 0 (no speculation) for large batches
             (:mod:`specserve.spec_decode.adaptive`). False: always k. Greedy output is the same
@@ -156,8 +157,9 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative method {self.method!r}; choose from {SPECULATIVE_METHODS}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        if self.draft_quantization not in (None, "int8"):
-            raise ValueError(f"draft_quantization must be None or 'int8', got {self.draft_quantization!r}")
+        if self.draft_quantization is not None:
+            from specserve.models.quantization import check_quantization
+            self.draft_quantization = check_quantization(self.draft_quantization, "draft_quantization")
         for name in ("prompt_lookup_max", "prompt_lookup_min", "eagle_topk", "num_draft_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -150,10 +150,11 @@ def summarize(records: list[dict], batches: list[dict]) -> dict:
 # ----------------------------------------------------------------------------------------- specserve
 
 def _engine_args(args: argparse.Namespace, speculative_config: dict | None = None):
+    """The engine the CLI flags describe (every engine flag), with ``speculative_config`` as given."""
     from specserve.engine.engine import EngineArgs
+    from specserve.entrypoints.cli import engine_kwargs
 
-    return EngineArgs(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                      block_size=args.block_size, speculative_config=speculative_config)
+    return EngineArgs(**{**engine_kwargs(args), "speculative_config": speculative_config})
 
 
 def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list[list[int]],

@@ -171,7 +171,7 @@ def _draft_config(args: argparse.Namespace) -> dict | None:
 
 
 # engine flags passed to the server as given (those the CLI does not define are skipped)
-SERVER_FLAGS = ("model", "dtype", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
+SERVER_FLAGS = ("model", "dtype", "quantization", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "kv_cache_memory_gb", "num_blocks")
 DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_tokens", "draft_quantization",
                "no_adaptive_speculation", "prompt_lookup_max", "prompt_lookup_min", "speculative_token_tree",
@@ -691,7 +691,8 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(args),
         "machine": machine_info(),
-        "config": {"model": args.model, "dtype": args.dtype, "max_model_len": args.max_model_len,
+        "config": {"model": args.model, "dtype": args.dtype, "quantization": getattr(args, "quantization", None),
+                   "max_model_len": args.max_model_len,
                    "speculative_model": draft.get("model") if draft else None,
                    "speculative_method": draft["method"] if draft else None,
                    "num_speculative_tokens": draft["num_speculative_tokens"] if draft else None,

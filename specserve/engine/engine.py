@@ -21,6 +21,7 @@ from specserve.kv_cache.block_manager import BlockManager
 from specserve.kv_cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import LoadedModel, load_model
+from specserve.models.quantization import QuantizedTensor, check_quantization, to_device
 from specserve.metrics import SpecDecodeStats, StepStats
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specserve.sample.rejection import rejection_sample, rejection_sample_tensors
@@ -40,7 +41,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineArgs:
     """Everything needed to build an engine (vLLM's argument names).
 
-    ``kv_cache_memory_gb`` sizes the page pool when ``num_blocks`` is not given.
+    ``kv_cache_memory_gb`` sizes the page pool when ``num_blocks`` is not given. ``quantization``
+    (vLLM's name): ``"none"`` (float weights), ``"int8"`` or ``"int4"`` (batch-invariant integer
+    linears, :mod:`specserve.models.quantization`); the draft's is ``speculative_config``'s
+    ``draft_quantization`` (default: the same as the target's).
     """
 
     model: str = DEFAULT_MODEL
@@ -54,11 +58,20 @@ class EngineArgs:
     seed: int = 0
     device: str = "cpu"
     speculative_config: SpeculativeConfig | dict | None = None
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.quantization = check_quantization(self.quantization)
+        if self.quantization != "none":
+            if self.dtype != "float32":
+                raise ValueError(f"quantization {self.quantization!r} runs float32 activations; "
+                                 f"use dtype float32, not {self.dtype!r}")
+            if self.device != "cpu":
+                raise ValueError(f"quantization {self.quantization!r} has CPU kernels only; "
+                                 f"device {self.device!r} has none (use quantization 'none')")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.kv_cache_memory_gb <= 0:
@@ -99,14 +112,17 @@ class LLMEngine:
         self.args = args
         dtype = _DTYPES[args.dtype]
         torch.manual_seed(args.seed)
-        loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype)
+        loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype, quantization=args.quantization)
+        self.load_stats = loaded.load_stats
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        weights = {k: v.to(device=args.device, dtype=dtype) for k, v in loaded.weights.items()}
-        self.model = LlamaForCausalLM(self.model_config, weights).eval()
+        weights = to_device(loaded.weights, args.device, dtype)
+        self.model = LlamaForCausalLM(self.model_config, weights, args.quantization).eval()
         # plain [V, H] tensors for heads that share them (the model's lm_head may be prepacked)
         self.target_embedding = weights["model.embed_tokens.weight"]
         self.target_lm_head = weights.get("lm_head.weight", self.target_embedding)
+        if isinstance(self.target_lm_head, QuantizedTensor):  # heads read a float head
+            self.target_lm_head = self.target_lm_head.dequantize()
         cfg = self.model_config
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if args.num_blocks is None:

@@ -6,15 +6,21 @@ import sys
 import time
 
 from specserve.engine.engine import DEFAULT_MODEL
+from specserve.models.quantization import QUANTIZATIONS
 
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # drafts for DEFAULT_MODEL (same tokenizer)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2  # best k measured by `specserve bench` (BENCHMARKS.md)
+DEFAULT_QUANTIZATION = "int4"  # the fastest mode whose quality holds (BENCHMARKS.md, "Quantized target")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name, Hugging Face folder, .gguf file or hub id (default: %(default)s)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", "-q", default=DEFAULT_QUANTIZATION, choices=list(QUANTIZATIONS),
+                   help="the target's linears: int4 / int8 (batch-invariant integer kernels: GGUF Q4_K / Q6_K "
+                        "blocks used as they are, other weights quantized on load) or none (float32); "
+                        "default: %(default)s")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--speculative-model", default=None,
@@ -36,8 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: shortest n-gram matched (default: %(default)s)")
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per step, k (default: %(default)s)")
-    p.add_argument("--draft-quantization", choices=["int8"], default=None,
-                   help="run the draft's linears in dynamic int8 (cheaper; output stays exact)")
+    p.add_argument("--draft-quantization", "--speculative-quantization", choices=list(QUANTIZATIONS), default=None,
+                   help="the draft model's linears (default: the same as --quantization); the output stays "
+                        "exact whatever the draft's numerics, since the target verifies every token")
     p.add_argument("--no-speculation", action="store_true", help="decode without a draft")
     p.add_argument("--no-adaptive-speculation", action="store_true",
                    help="always draft k tokens; by default k is chosen per step (0 = off) from measured "
@@ -90,7 +97,7 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    return dict(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=args.max_model_len,
                 block_size=args.block_size, speculative_config=speculative_config(args),
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 kv_cache_memory_gb=args.kv_cache_memory_gb, num_blocks=args.num_blocks)

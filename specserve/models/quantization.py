@@ -1,0 +1,282 @@
+"""Quantized weights for batch-invariant int8 / int4 linears (``--quantization``, vLLM's flag).
+
+Two weight layouts, both "k-quants" (llama.cpp's superblock formats, ggml ``k_quants``): along
+``in_features`` the row is cut into superblocks of 256 (the last may be shorter), each with a float
+scale, and each superblock into sub-blocks with small integer scales:
+
+- ``int4``: ``w = d[s] * sc[j] * q - dmin[s] * mn[j]``, ``q`` in 0..15 packed two per byte,
+  sub-blocks of 32 with 8-bit ``sc`` / ``mn``. A GGUF ``Q4_K`` tensor maps onto it exactly.
+- ``int8``: ``w = d[s] * sc[j] * q``, ``q`` in -127..127, sub-blocks of 16 with int8 ``sc``. A GGUF
+  ``Q6_K`` tensor maps onto it exactly.
+
+Activations are quantized per row and per superblock to int8 (``d_x = amax / 127``), so a row's
+result never depends on the other rows; the kernels (``specserve/kernels/quant_linear.cpp``) sum
+the integer products exactly and add one float term per superblock in a fixed order, which makes
+every row bitwise independent of the row count. :func:`reference_matmul` is the same arithmetic in
+float64 (the tests' oracle).
+
+GGUF tensors of other types, and float tensors (Hugging Face folders), are quantized from their
+float values by :func:`quantize` (absmax sub-block scales; asymmetric min/scale for int4).
+Which layout a GGUF tensor takes under ``int4`` follows llama.cpp's own mixes: tensors the file
+keeps at more than ~4.5 bits (Q5_*, Q6_K, Q8_0) go to int8, so the error never grows past the
+file's, and the rest (Q4_*, Q3_K, Q2_K, float) to int4 (:func:`layout_for`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+QUANTIZATIONS = ("none", "int8", "int4")
+SUPERBLOCK = 256
+_ROWS_PER_CHUNK = 8192
+_HIGH_PRECISION_GGUF = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "F32", "F64"}
+_FLOAT_GGUF = {"F16", "BF16", "F32", "F64"}
+
+
+def check_quantization(value, what: str = "quantization") -> str:
+    """``value`` normalised (None -> "none"); raises ValueError naming it when unknown."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value.lower() not in QUANTIZATIONS:
+        raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(QUANTIZATIONS)}")
+    return value.lower()
+
+
+@dataclass
+class QuantizedTensor:
+    """A ``[out_features, in_features]`` weight in the ``int4`` or ``int8`` layout.
+
+    Attributes (N = out_features, K = in_features, S = ceil(K / 256)):
+        layout: ``"int4"`` or ``"int8"``.
+        qs: int4: uint8 ``[N, K / 2]`` (per 64 values: 32 bytes, low nibbles = the first 32 values,
+            high nibbles = the next 32, as in GGUF Q4_K); int8: int8 ``[N, K]``.
+        sc: int4: uint8 ``[N, K / 32]``; int8: int8 ``[N, K / 16]``.
+        mn: int4: uint8 ``[N, K / 32]`` sub-block mins; int8: None.
+        d, dmin: float32 ``[N, S]`` superblock scales (``dmin`` int4 only).
+        source: where the values came from (``"Q4_K"``, ``"float"``, ...), for reports.
+    """
+
+    layout: str
+    qs: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor | None
+    d: torch.Tensor
+    dmin: torch.Tensor | None
+    source: str = "float"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, packed = self.qs.shape
+        return n, packed * (2 if self.layout == "int4" else 1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.sc, self.mn, self.d, self.dmin)
+                   if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[N, K]`` weight these integers represent."""
+        n, k = self.shape
+        sup = _expand_superblocks(self.d, k)  # [N, K]
+        if self.layout == "int8":
+            sc = self.sc.float().repeat_interleave(16, dim=1)
+            return sup * sc * self.qs.float()
+        q = unpack_int4(self.qs).float()
+        sc = self.sc.float().repeat_interleave(32, dim=1)
+        mn = self.mn.float().repeat_interleave(32, dim=1)
+        return sup * sc * q - _expand_superblocks(self.dmin, k) * mn
+
+    def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
+        """The weight with its output rows reordered (``index [N]`` int64)."""
+        pick = lambda t: None if t is None else t[index].contiguous()
+        return QuantizedTensor(self.layout, pick(self.qs), pick(self.sc), pick(self.mn), pick(self.d),
+                               pick(self.dmin), self.source)
+
+    @staticmethod
+    def cat(parts: "list[QuantizedTensor]") -> "QuantizedTensor":
+        """Concatenate weights of one layout along ``out_features`` (fused q/k/v, gate/up)."""
+        layout = parts[0].layout
+        assert all(p.layout == layout for p in parts)
+        if len(parts) == 1:
+            return parts[0]
+        cat = lambda name: (None if getattr(parts[0], name) is None
+                            else torch.cat([getattr(p, name) for p in parts]))
+        sources = sorted({s for p in parts for s in p.source.split("+")})
+        return QuantizedTensor(layout, cat("qs"), cat("sc"), cat("mn"), cat("d"), cat("dmin"), "+".join(sources))
+
+
+def _expand_superblocks(v: torch.Tensor, k: int) -> torch.Tensor:
+    """``[N, S]`` per-superblock values -> ``[N, K]``."""
+    return v.float().repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 ``[N, K]`` (K % 64 == 0) -> packed ``[N, K / 2]`` (GGUF Q4_K nibble order)."""
+    n, k = q.shape
+    q = q.to(torch.uint8).reshape(n, k // 64, 2, 32)
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(qs: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[N, K / 2]`` -> uint8 ``[N, K]``."""
+    n, half = qs.shape
+    v = qs.reshape(n, half // 32, 1, 32)
+    return torch.cat([v & 0x0F, v >> 4], dim=2).reshape(n, half * 2)
+
+
+def check_packable(name: str, shape, layout: str) -> None:
+    """Raise ValueError naming tensor ``name`` when ``layout`` cannot hold its shape."""
+    k = int(shape[1])
+    multiple = 64 if layout == "int4" else 32
+    if k % multiple:
+        raise ValueError(f"quantization {layout} cannot pack tensor {name!r} of shape {tuple(int(s) for s in shape)}: "
+                         f"in_features {k} is not a multiple of {multiple}")
+
+
+def _superblock_max(v: torch.Tensor, per_super: int) -> torch.Tensor:
+    """``[N, J]`` sub-block values -> ``[N, S]`` maxima over each superblock's sub-blocks."""
+    n, j = v.shape
+    s = -(-j // per_super)
+    padded = torch.zeros(n, s * per_super, dtype=v.dtype)
+    padded[:, :j] = v
+    return padded.reshape(n, s, per_super).amax(dim=2)
+
+
+def quantize(w: torch.Tensor, layout: str, name: str = "weight") -> QuantizedTensor:
+    """Quantize a float ``[N, K]`` weight into ``layout`` ("int8" or "int4").
+
+    int8: per 16 values an ideal scale ``amax / 127``, stored as int8 multiples of the superblock's
+    ``d = max(scale) / 127``. int4: per 32 values ``min <= 0 <= max`` mapped onto 0..15, scale and
+    min stored as 8-bit multiples of the superblock's ``d`` / ``dmin``. Sub-block scales and mins
+    are rounded up, so no value is clipped: every weight is within half a step.
+
+    Raises:
+        ValueError: a shape the layout cannot pack (naming ``name``).
+    """
+    check_packable(name, w.shape, layout)
+    w = w.detach().to(torch.float32).cpu()
+    n, k = w.shape
+    if layout == "int8":
+        amax = w.reshape(n, k // 16, 16).abs().amax(dim=2)                 # [N, K/16]
+        ideal = amax / 127.0
+        d = _superblock_max(ideal, SUPERBLOCK // 16) / 127.0                # [N, S]
+        dj = d.repeat_interleave(SUPERBLOCK // 16, dim=1)[:, : k // 16]
+        # rounded up, so that no value of the sub-block is clipped
+        sc = torch.where(dj > 0, torch.ceil(ideal / torch.where(dj > 0, dj, 1) - 1e-4), 0).clamp(0, 127)
+        step = (dj * sc).repeat_interleave(16, dim=1)                       # [N, K]
+        q = torch.where(step > 0, torch.round(w / torch.where(step > 0, step, 1)), 0).clamp(-127, 127)
+        return QuantizedTensor("int8", q.to(torch.int8).contiguous(), sc.to(torch.int8).contiguous(), None,
+                               d.contiguous(), None)
+    if layout != "int4":
+        raise ValueError(f"unknown quantization layout {layout!r}")
+    blocks = w.reshape(n, k // 32, 32)
+    lo = blocks.amin(dim=2).clamp(max=0)                                    # [N, K/32]
+    hi = blocks.amax(dim=2).clamp(min=0)
+    per = SUPERBLOCK // 32
+    # mins first (rounded up: every value + offset >= 0), then scales covering the rounded range
+    dmin = _superblock_max(-lo, per) / 255.0
+    mj = dmin.repeat_interleave(per, dim=1)[:, : k // 32]
+    mn = torch.where(mj > 0, torch.ceil(-lo / torch.where(mj > 0, mj, 1) - 1e-4), 0).clamp(0, 255)
+    ideal_scale = (hi + mj * mn) / 15.0
+    d = _superblock_max(ideal_scale, per) / 255.0
+    dj = d.repeat_interleave(per, dim=1)[:, : k // 32]
+    sc = torch.where(dj > 0, torch.ceil(ideal_scale / torch.where(dj > 0, dj, 1) - 1e-4), 0).clamp(0, 255)
+    step = (dj * sc).unsqueeze(2)
+    offset = (mj * mn).unsqueeze(2)
+    q = torch.where(step > 0, torch.round((blocks + offset) / torch.where(step > 0, step, 1)), 0).clamp(0, 15)
+    return QuantizedTensor("int4", pack_int4(q.reshape(n, k)).contiguous(), sc.to(torch.uint8).contiguous(),
+                           mn.to(torch.uint8).contiguous(), d.contiguous(), dmin.contiguous())
+
+
+# --------------------------------------------------------------------------------------- GGUF
+
+def layout_for(quantization: str, gguf_type: str) -> str | None:
+    """The layout a GGUF tensor of ``gguf_type`` takes under ``quantization`` (None: stays float)."""
+    if quantization == "none":
+        return None
+    if quantization == "int8":
+        return "int8"
+    return "int8" if gguf_type in _HIGH_PRECISION_GGUF - _FLOAT_GGUF else "int4"
+
+
+def from_gguf(name: str, raw: np.ndarray, gguf_type: str, shape: tuple[int, int], layout: str,
+              dequantize) -> QuantizedTensor:
+    """One GGUF weight (``raw``: its block bytes, ``[N, bytes per row]``) in ``layout``.
+
+    ``Q4_K`` -> int4 and ``Q6_K`` -> int8 copy the file's integers and scales (exact); any other
+    pair goes through the tensor's float values (``dequantize(raw, type) -> float32``), one tensor
+    at a time, so no float copy of the whole model is ever built.
+    """
+    import gguf
+
+    n, k = shape
+    check_packable(name, shape, layout)
+    if n > _ROWS_PER_CHUNK:  # bound the float temporaries (an output head is 151936 rows)
+        return QuantizedTensor.cat([
+            from_gguf(name, raw[i:i + _ROWS_PER_CHUNK], gguf_type, (min(_ROWS_PER_CHUNK, n - i), k), layout,
+                      dequantize) for i in range(0, n, _ROWS_PER_CHUNK)])
+    if gguf_type == "Q4_K" and layout == "int4" and k % SUPERBLOCK == 0:
+        blocks = np.ascontiguousarray(raw).reshape(n * (k // SUPERBLOCK), 144)
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, -1)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, -1)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        qs = blocks[:, 16:144].reshape(n, k // 2)
+        t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1).astype(dt))
+        return QuantizedTensor("int4", t(qs, np.uint8), t(sc, np.uint8), t(mn, np.uint8), t(d, np.float32),
+                               t(dmin, np.float32), "Q4_K")
+    values = dequantize(raw, getattr(gguf.GGMLQuantizationType, gguf_type)).reshape(n, k)
+    if gguf_type == "Q6_K" and layout == "int8" and k % SUPERBLOCK == 0:
+        blocks = np.ascontiguousarray(raw).reshape(n * (k // SUPERBLOCK), 210)
+        sc = blocks[:, 192:208].copy().view(np.int8).reshape(n, k // 16)
+        d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(n, -1)
+        step = np.repeat(np.repeat(d, SUPERBLOCK // 16, axis=1) * sc, 16, axis=1)   # [N, K] float32
+        q = np.where(step != 0, np.rint(values / np.where(step != 0, step, 1)), 0)
+        return QuantizedTensor("int8", torch.from_numpy(q.astype(np.int8)), torch.from_numpy(sc.copy()), None,
+                               torch.from_numpy(np.ascontiguousarray(d)), None, "Q6_K")
+    qt = quantize(torch.from_numpy(np.ascontiguousarray(values)), layout, name)
+    qt.source = gguf_type
+    return qt
+
+
+# --------------------------------------------------------------------------------------- reference
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization in PyTorch: ``x [M, K]`` float32 ->
+    ``(xq int8 [M, K], dx float32 [M, S])`` with per-superblock ``dx = amax / 127``."""
+    m, k = x.shape
+    s = -(-k // SUPERBLOCK)
+    xq = torch.empty(m, k, dtype=torch.int8)
+    dx = torch.empty(m, s, dtype=torch.float32)
+    for i in range(s):
+        part = x[:, i * SUPERBLOCK:(i + 1) * SUPERBLOCK].float()
+        amax = part.abs().amax(dim=1, keepdim=True)
+        inv = torch.where(amax > 0, torch.tensor(127.0) / torch.where(amax > 0, amax, 1), 0)
+        xq[:, i * SUPERBLOCK:(i + 1) * SUPERBLOCK] = torch.round(part * inv).clamp(-127, 127).to(torch.int8)
+        dx[:, i] = (amax / 127.0).squeeze(1)
+    return xq, dx
+
+
+def reference_matmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the kernel computes, in float64: ``dequant(quantize_rows(x)) @ dequant(w).T + bias``.
+
+    ``x [M, K]`` float32 -> ``[M, N]`` float64.
+    """
+    xq, dx = quantize_rows_reference(x)
+    x_hat = xq.double() * dx.double().repeat_interleave(SUPERBLOCK, dim=1)[:, : x.shape[1]]
+    n, k = w.shape
+    sup = w.d.double().repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
+    if w.layout == "int8":
+        w_hat = sup * w.sc.double().repeat_interleave(16, dim=1) * w.qs.double()
+    else:
+        w_hat = (sup * w.sc.double().repeat_interleave(32, dim=1) * unpack_int4(w.qs).double()
+                 - w.dmin.double().repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
+                 * w.mn.double().repeat_interleave(32, dim=1))
+    y = x_hat @ w_hat.T
+    return y if bias is None else y + bias.double()
+
+
+def to_device(weights: dict, device, dtype: torch.dtype) -> dict:
+    """Float tensors of a weights dict moved to ``device`` / ``dtype``; quantized ones kept (CPU)."""
+    return {k: v if isinstance(v, QuantizedTensor) else v.to(device=device, dtype=dtype) for k, v in weights.items()}

@@ -1,0 +1,232 @@
+"""Quantized (int8 / int4) batch-invariant linears: the kernels against a float64 oracle, bitwise
+row independence at every row count, exact GGUF block mapping, and exact speculation on top."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.kernels import cpu_supports_quantized
+from specserve.models.linear import QuantizedLinear, make_linear
+from specserve.models.quantization import (QuantizedTensor, from_gguf, layout_for, pack_int4, quantize,
+                                          quantize_rows_reference, reference_matmul, unpack_int4)
+
+pytestmark = pytest.mark.skipif(not cpu_supports_quantized(), reason="the int8 / int4 kernels need AVX2")
+
+LAYOUTS = ["int8", "int4"]
+# (out_features, in_features): whole superblocks, a short last superblock (896 = 3.5 x 256), tiny
+SHAPES = [(48, 1536), (40, 896), (33, 64), (24, 320)]
+
+
+def _weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, 5] *= 20  # an outlier column, as real projections have
+    return w
+
+
+def _inputs(m, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, 7] *= 40  # an outlier channel (massive activations)
+    return x
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_float64_reference(layout, shape):
+    n, k = shape
+    if layout == "int4" and k % 64:
+        pytest.skip("int4 packs 64 values per 32 bytes")
+    bias = torch.randn(n)
+    lin = make_linear([_weight(n, k)], bias, layout)
+    x = _inputs(9, k)
+    ref = reference_matmul(x, lin.parts[0], bias)
+    got = lin(x).double()
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_activation_quantization_matches_reference():
+    from specserve.kernels import quant_ops
+
+    x = _inputs(5, 896)
+    xq, dx, bsum = quant_ops().quantize_rows(x)
+    ref_q, ref_d = quantize_rows_reference(x)
+    assert torch.equal(xq, ref_q) and torch.equal(dx, ref_d)
+    assert torch.equal(bsum, xq.view(5, -1, 32).sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS + ["mixed"])
+def test_rows_bitwise_independent_of_row_count(layout):
+    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17."""
+    k = 1536
+    if layout == "mixed":  # a fused q/k/v: q, k int4 (Q4_K) and v int8 (Q6_K)
+        lin = make_linear([quantize(_weight(64, k, 1), "int4"), quantize(_weight(32, k, 2), "int4"),
+                           quantize(_weight(32, k, 3), "int8")], torch.randn(128), "int4")
+        assert [p.layout for p in lin.parts] == ["int4", "int8"]
+    else:
+        lin = make_linear([_weight(72, k)], torch.randn(72), layout)
+    x = _inputs(17, k)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(17)])
+    for m in range(1, 18):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+        assert torch.equal(lin(x[17 - m:]), alone[17 - m:]), m  # rows at other places in the batch
+
+
+def test_result_independent_of_thread_count():
+    lin = make_linear([_weight(80, 1536)], None, "int4")
+    x = _inputs(6, 1536)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = lin(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, lin(x))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantize_error_bounded(layout):
+    """Each weight lies within half a quantization step (plus the sub-scale's rounding)."""
+    w = _weight(16, 512)
+    qt = quantize(w, layout)
+    err = (qt.dequantize() - w).abs()
+    sup = qt.d.repeat_interleave(256, 1)[:, :512]
+    if layout == "int8":
+        step = sup * qt.sc.float().repeat_interleave(16, 1)
+        assert (err <= step / 2 * (1 + 1e-5)).all()  # nothing clipped
+        amax = w.view(16, -1, 16).abs().amax(-1).repeat_interleave(16, 1)
+        assert (step <= (amax / 127 + sup) * (1 + 1e-5)).all()  # scales rounded up by < one d
+    else:
+        step = sup * qt.sc.float().repeat_interleave(32, 1)
+        offset = qt.dmin.repeat_interleave(256, 1)[:, :512] * qt.mn.float().repeat_interleave(32, 1)
+        assert ((w + offset) / step >= -1e-5).all() and ((w + offset) / step <= 15 + 1e-4).all()
+        assert (err <= step / 2 * (1 + 1e-5) + 1e-7).all()  # nothing clipped
+        blocks = w.view(16, -1, 32)
+        span = (blocks.amax(-1).clamp(min=0) - blocks.amin(-1).clamp(max=0)).repeat_interleave(32, 1)
+        dmin = qt.dmin.repeat_interleave(256, 1)[:, :512]
+        assert (step <= ((span + dmin) / 15 + sup) * (1 + 1e-5)).all()
+    assert torch.equal(unpack_int4(pack_int4(torch.arange(64 * 3).remainder(16).view(3, 64))),
+                       torch.arange(64 * 3).remainder(16).view(3, 64).to(torch.uint8))
+
+
+def test_unpackable_shape_names_the_tensor():
+    with pytest.raises(ValueError, match=r"cannot pack tensor 'model.layers.0.mlp.down_proj.weight'.*96"):
+        make_linear([torch.randn(8, 96)], None, "int4", "model.layers.0.mlp.down_proj.weight")
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        LLM("unused-model-name", quantization="int3")
+
+
+def _random_kquant_blocks(kind: str, n: int, k: int, seed=0) -> np.ndarray:
+    """Valid GGUF Q4_K / Q6_K rows of random content: ``[n, bytes per row]`` uint8."""
+    rng = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    blocks = rng.integers(0, 256, size=(n * k // 256, size), dtype=np.uint8)
+    d = (rng.random(len(blocks)) * 0.01 + 1e-4).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if kind == "Q4_K":
+        blocks[:, 0:2] = d
+        blocks[:, 2:4] = (rng.random(len(blocks)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    else:
+        blocks[:, 208:210] = d
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind, layout", [("Q4_K", "int4"), ("Q6_K", "int8")])
+def test_gguf_kquant_blocks_map_exactly(kind, layout):
+    """Q4_K -> int4 and Q6_K -> int8 keep the file's values bit for bit (gguf's dequantizer is the oracle)."""
+    import gguf
+
+    from specserve.models.gguf_loader import dequantize
+
+    n, k = 20, 768
+    raw = _random_kquant_blocks(kind, n, k)
+    expected = dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k)
+    qt = from_gguf("w", raw, kind, (n, k), layout, dequantize)
+    assert qt.layout == layout and qt.source == kind
+    assert np.array_equal(qt.dequantize().numpy(), expected)
+    assert layout_for("int4", kind) == layout and layout_for("int8", "Q4_K") == "int8"
+
+
+def test_gguf_rows_chunked_like_whole():
+    """A long tensor converted in row chunks equals the same rows converted at once."""
+    from specserve.models import quantization
+    from specserve.models.gguf_loader import dequantize
+
+    raw = _random_kquant_blocks("Q6_K", 40, 512, seed=3)
+    whole = from_gguf("w", raw, "Q6_K", (40, 512), "int8", dequantize)
+    old = quantization._ROWS_PER_CHUNK
+    quantization._ROWS_PER_CHUNK = 16
+    try:
+        chunked = from_gguf("w", raw, "Q6_K", (40, 512), "int8", dequantize)
+    finally:
+        quantization._ROWS_PER_CHUNK = old
+    assert all(torch.equal(a, b) for a, b in zip((whole.qs, whole.sc, whole.d), (chunked.qs, chunked.sc, chunked.d)))
+
+
+# ------------------------------------------------------------------------------ engine level
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LENGTHS = [1, 3, 17, 45, 100, 160, 231, 300]
+
+
+def _prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(3, 300, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def quantized_reference(request, tiny_qwen2_dir):
+    base = LLM(tiny_qwen2_dir, quantization=request.param)
+    assert isinstance(base.llm_engine.model.layers[0].gate_up_proj, QuantizedLinear)
+    batch = _ids(base.generate(_prompts(), GREEDY))
+    alone = [_ids(base.generate([p], GREEDY))[0] for p in _prompts()]
+    assert batch == alone  # a batch of 8 == each alone
+    return request.param, batch
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "mtp", "eagle"])
+def test_quantized_target_greedy_speculation_exact(quantized_reference, tiny_qwen2_dir, trained_tiny_head,
+                                                   tmp_path_factory, method):
+    """Greedy with speculation == greedy without, on the same quantized target, for every method."""
+    from tests.tiny_models import make_layer_skip_draft
+
+    layout, reference = quantized_reference
+    cfg = {"method": method, "adaptive": False, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        draft = tmp_path_factory.mktemp("qdraft")
+        make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
+        cfg.update(model=str(draft), draft_quantization="int4")
+    elif method in ("mtp", "eagle"):
+        cfg["model"] = trained_tiny_head
+    llm = LLM(tiny_qwen2_dir, quantization=layout, speculative_config=cfg)
+    assert _ids(llm.generate(_prompts(), GREEDY)) == reference
+    st = llm.llm_engine.spec_stats
+    assert st.num_verify_steps > 0
+    if method != "ngram":
+        assert st.num_accepted_tokens > 0
+
+
+def test_quantized_smollm2_gguf_speculation_exact(smollm2_gguf):
+    """The real SmolLM2 GGUF (Q4_1 layers, tied Q8_0 embedding) read straight from its blocks as int4,
+    drafting for itself in int8: greedy with speculation == without, a batch == each alone."""
+    from specserve.models.loader import load_model
+
+    loaded = load_model(smollm2_gguf, quantization="int4")
+    head = loaded.weights["lm_head.weight"]
+    assert isinstance(head, QuantizedTensor) and head.layout == "int8" and head.source == "Q8_0"
+    assert loaded.weights["model.layers.0.mlp.down_proj.weight"].source == "Q4_1"
+    texts = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    base = LLM(smollm2_gguf, loaded=loaded, quantization="int4")
+    reference = _ids(base.generate(texts, params))
+    assert reference == [_ids(base.generate([t], params))[0] for t in texts]
+    spec = LLM(smollm2_gguf, quantization="int4", loaded=loaded,
+               speculative_config={"method": "draft_model", "model": smollm2_gguf, "num_speculative_tokens": 3,
+                                   "adaptive": False, "draft_quantization": "int8"})
+    assert _ids(spec.generate(texts, params)) == reference
+    assert spec.llm_engine.spec_stats.num_accepted_tokens > 0
