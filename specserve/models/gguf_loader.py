@@ -284,7 +284,8 @@ def build_tokenizer(gguf_path: str | os.PathLike, out_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(final))
 
 
-def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | None = None):
+def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | None = None,
+                   keep_file_precision: bool = True):
     """Read a GGUF for the int8 / int4 kernels: ``(ModelConfig, weights)``.
 
     Linear weights (q/k/v/o, gate/up/down, the output head) become
@@ -292,7 +293,8 @@ def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | 
     :func:`~specserve.models.quantization.layout_for` picks from the tensor's GGUF type (Q4_K and
     Q6_K blocks are copied, others re-quantized from their float values one tensor at a time);
     the token embedding, norms and biases are float32. A tied model also gets ``lm_head.weight``
-    quantized from the embedding's blocks. Shows a tqdm bar.
+    quantized from the embedding's blocks. ``keep_file_precision=False`` (drafts) puts every linear
+    in the asked layout. Shows a tqdm bar.
 
     Raises:
         GGUFFormatError: unreadable file, unsupported architecture or unknown tensors.
@@ -320,7 +322,7 @@ def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | 
                 heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
                 perm = unpermute_qk(np.arange(shape[0]), heads)
             if linear:
-                qt = from_gguf(name, t.data, gtype, shape, layout_for(quantization, gtype), dequantize)
+                qt = from_gguf(name, t.data, gtype, shape, layout_for(quantization, gtype, keep_file_precision), dequantize)
                 weights[name] = qt if perm is None else qt.select_rows(torch.from_numpy(perm))
             else:
                 w = dequantize(t.data, t.tensor_type).reshape(shape)
@@ -329,7 +331,7 @@ def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | 
                 weights[name] = torch.from_numpy(np.array(w, dtype=np.float32))  # a writable copy
                 if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
                     weights["lm_head.weight"] = from_gguf("lm_head.weight", t.data, gtype, shape,
-                                                          layout_for(quantization, gtype), dequantize)
+                                                          layout_for(quantization, gtype, keep_file_precision), dequantize)
             bar.update(int(t.n_elements))
     finally:
         bar.close()

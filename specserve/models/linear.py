@@ -96,7 +96,9 @@ class QuantizedLinear(nn.Module):
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0] == 0:
             return out
-        xq, dx, bsum = self._ops.quantize_rows(x.float().contiguous())
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        xq, dx, bsum = self._ops.quantize_rows(x)
         for part, col0, bias in zip(self.parts, self.offsets, self._part_bias):
             if part.layout == "int4":
                 self._ops.q4_matmul(xq, dx, bsum, part.qs, part.sc, part.mn, part.d, part.dmin, bias, out, col0)

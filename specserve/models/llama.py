@@ -48,9 +48,12 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([-x2, x1], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, D]`` of ``positions`` (computed once per forward, used by every layer)."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, tables=None):
+        cos, sin = tables if tables is not None else self.tables(positions, q.dtype)
         return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
 
 
@@ -83,7 +86,7 @@ class DecoderLayer(nn.Module):
         self.attn = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+                value_cache: torch.Tensor, md: AttentionMetadata, rope_tables=None) -> torch.Tensor:
         cfg = self.cfg
         T = hidden.shape[0]
         x = rms_norm(hidden, self.input_layernorm, cfg.rms_norm_eps)
@@ -92,7 +95,7 @@ class DecoderLayer(nn.Module):
         q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
         k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
         v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, rope_tables)
         attn = self.attn.forward(q, k, v, key_cache, value_cache, md)  # [T, H, D]
         hidden = hidden + self.o_proj(attn.reshape(T, self.q_size))
         x = rms_norm(hidden, self.post_attention_layernorm, cfg.rms_norm_eps)
@@ -156,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
         """
         key_cache, value_cache = kv_caches
         hidden = self.embed(input_ids)
+        tables = self.rotary.tables(positions, hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(positions, hidden, key_cache[i], value_cache[i], md)
+            hidden = layer(positions, hidden, key_cache[i], value_cache[i], md, tables)
         return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
 
     @torch.inference_mode()

@@ -105,7 +105,7 @@ def _classify(model: str) -> tuple[str, object]:
 
 
 def load_model(model: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None,
-               quantization: str = "none") -> LoadedModel:
+               quantization: str = "none", keep_file_precision: bool = True) -> LoadedModel:
     """Load config, weights and tokenizer for ``model`` (HF folder, .gguf file, built-in name, hub id).
 
     Returns a :class:`LoadedModel` whose tensors are on CPU in ``dtype`` (a torch dtype or its name;
@@ -117,7 +117,8 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, cache_dir: str | 
     each linear weight becomes a :class:`~specserve.models.quantization.QuantizedTensor` (Q4_K and
     Q6_K copied exactly, other types re-quantized one tensor at a time), embeddings and norms float32;
     no float copy of the model is built or cached. Other sources load as float and are quantized when
-    the model is built (:func:`specserve.models.linear.make_linear`). ``LoadedModel.load_stats``
+    the model is built (:func:`specserve.models.linear.make_linear`). ``keep_file_precision``: see
+    :func:`~specserve.models.quantization.layout_for` (False for drafts). ``LoadedModel.load_stats``
     holds the load's seconds and the process's peak RSS.
 
     Raises:
@@ -133,7 +134,7 @@ def load_model(model: str, dtype: torch.dtype = torch.float32, cache_dir: str | 
     dtype = _as_dtype(dtype)
     kind, target = _classify(model)
     t0 = time.perf_counter()
-    loaded = _load(kind, target, cache, dtype, quantization)
+    loaded = _load(kind, target, cache, dtype, quantization, keep_file_precision)
     loaded.load_stats = {"seconds": time.perf_counter() - t0, "peak_rss_gb": peak_rss_gb(),
                          "quantization": quantization}
     return loaded
@@ -146,14 +147,16 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _load(kind: str, target, cache: Path, dtype: torch.dtype, quantization: str) -> LoadedModel:
+def _load(kind: str, target, cache: Path, dtype: torch.dtype, quantization: str,
+          keep_file_precision: bool) -> LoadedModel:
     if quantization != "none" and kind in ("gguf", "builtin"):
         if kind == "gguf":
             out_dir = _converted_dir(cache, target.stem, _file_key(target))
-            return _load_gguf_quantized(lambda: target, out_dir, quantization, f"GGUF {target}")
+            return _load_gguf_quantized(lambda: target, out_dir, quantization, f"GGUF {target}",
+                                        keep_file_precision)
         out_dir = _converted_dir(cache, target.name, target.sha256)
         return _load_gguf_quantized(lambda: registry.assemble(target.name, cache), out_dir, quantization,
-                                    f"built-in {target.name}")
+                                    f"built-in {target.name}", keep_file_precision)
     if kind == "hf":
         return _load_hf_folder(target, dtype, f"Hugging Face folder {target}")
     if kind == "hub":
@@ -362,11 +365,12 @@ def _load_gguf(gguf_path: Callable[[], Path], out_dir: Path, dtype: torch.dtype,
 
 
 def _load_gguf_quantized(gguf_path: Callable[[], Path], out_dir: Path, quantization: str,
-                         source: str) -> LoadedModel:
+                         source: str, keep_file_precision: bool) -> LoadedModel:
     """A GGUF's weights straight from its blocks into our int8 / int4 layouts (no float cache)."""
     path = gguf_path()
     try:
-        config, weights = gguf_loader.read_quantized(path, quantization, desc=f"loading {path.name} ({quantization})")
+        config, weights = gguf_loader.read_quantized(path, quantization, desc=f"loading {path.name} ({quantization})",
+                                                     keep_file_precision=keep_file_precision)
     except GGUFFormatError as e:
         raise ModelFormatError(str(e)) from None
     tokenizer = _gguf_tokenizer(gguf_path, out_dir)

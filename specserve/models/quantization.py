@@ -192,12 +192,16 @@ def quantize(w: torch.Tensor, layout: str, name: str = "weight") -> QuantizedTen
 
 # --------------------------------------------------------------------------------------- GGUF
 
-def layout_for(quantization: str, gguf_type: str) -> str | None:
-    """The layout a GGUF tensor of ``gguf_type`` takes under ``quantization`` (None: stays float)."""
+def layout_for(quantization: str, gguf_type: str, keep_file_precision: bool = True) -> str | None:
+    """The layout a GGUF tensor of ``gguf_type`` takes under ``quantization`` (None: stays float).
+
+    ``keep_file_precision``: under int4, tensors the file keeps above ~4.5 bits go to int8 (a
+    target's choice); False puts every tensor in the asked layout (a draft's: cheapest).
+    """
     if quantization == "none":
         return None
-    if quantization == "int8":
-        return "int8"
+    if quantization == "int8" or not keep_file_precision:
+        return quantization
     return "int8" if gguf_type in _HIGH_PRECISION_GGUF - _FLOAT_GGUF else "int4"
 
 

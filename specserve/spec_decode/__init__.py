@@ -36,7 +36,8 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
         quantization = engine.args.quantization
     if loaded is None:  # compare tokenizers before paying for the draft's weights
         check_same_tokenizer(engine.tokenizer, load_tokenizer(name), name)
-        loaded = load_model(name, dtype=dtype, quantization=quantization)
+        # a draft's numerics never reach the output: every tensor in the asked (cheapest) layout
+        loaded = load_model(name, dtype=dtype, quantization=quantization, keep_file_precision=False)
     check_same_tokenizer(engine.tokenizer, loaded.tokenizer, name)
     model = LlamaForCausalLM(loaded.config, to_device(loaded.weights, engine.args.device, dtype), quantization).eval()
     cfg, bm = loaded.config, engine.block_manager

