@@ -663,7 +663,8 @@ def write_plot(result: dict, path: str) -> str | None:
             ax.set_ylim(bottom=0)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    ax1.set_title(f"{cfg['model']}, {cfg['max_tokens']} tokens/request")
+    quant = f" {cfg['quantization']}" if cfg.get("quantization") else ""
+    ax1.set_title(f"{cfg['model']}{quant}, {cfg['max_tokens']} tokens/request")
     ax2.set_title("time per output token")
     ax3.set_title("speedup vs none (dots: paired rounds)")
     fig.tight_layout()

@@ -22,6 +22,7 @@ class LLM:
         loaded, loaded_draft: already loaded target / draft models, instead of names (tests).
         **kwargs: :class:`~specserve.engine.engine.EngineArgs` fields (``dtype``, ``max_model_len``,
             ``block_size``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``,
+            ``quantization`` (``"none"`` default, ``"int8"``, ``"int4"``: batch-invariant integer linears),
             ``speculative_config={"method": "draft_model", "model": ..., "num_speculative_tokens": k}``).
     Raises:
         ValueError: an unknown argument or model, naming it.

@@ -6,7 +6,10 @@ On CPU the default ``F.linear`` (MKL) picks different kernels for 1 and for seve
 differ by ~1e-4) and costs several times more for 5 rows than for 1. oneDNN's prepacked linear
 (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``) keeps each row's result
 identical for any row count and its cost for a few rows close to one row's
-(../shared/DESIGN.md, "Measuring"). Elsewhere (CUDA, other dtypes) we fall back to ``F.linear``.
+Elsewhere (CUDA, other dtypes) we fall back to ``F.linear``.
+
+:class:`QuantizedLinear` is the same contract over int8 / int4 weights, on our own integer kernels
+(``--quantization``; docs/quantization.md). :func:`make_linear` builds either from weight blocks.
 """
 from __future__ import annotations
 
