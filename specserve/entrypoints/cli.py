@@ -133,7 +133,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if engine.proposer is not None:
         method = getattr(engine.spec_config.method, "value", engine.spec_config.method)
         if st.num_verify_steps:
-            summary += (f"; {method} speculation: {st.num_accepted_tokens}/{st.num_draft_tokens} drafts accepted, "
+            # decode steps after the first token: verify steps emit accepted + 1 tokens, plain steps 1
+            plain = max(0, num_tokens - 1 - st.num_accepted_tokens - st.num_verify_steps)
+            summary += (f"; {method} speculation in {st.num_verify_steps} of {st.num_verify_steps + plain} decode steps"
+                        f"{' (adaptive: off where it did not pay)' if engine.spec_controller else ''}: "
+                        f"{st.num_accepted_tokens}/{st.num_draft_tokens} drafts accepted, "
                         f"mean acceptance length {st.mean_acceptance_length:.2f}")
         else:
             summary += f"; {method} speculation: no speculative step ran"
