@@ -106,3 +106,29 @@ def test_bench_methods_bad_input(tiny_qwen2_dir, capsys):
     assert "medusa" in capsys.readouterr().err
     assert main(["bench", "--model", tiny_qwen2_dir, "--methods", "none,mtp", "--skip-hf"]) == 2   # no head
     assert "--head" in capsys.readouterr().err
+
+
+def test_quality_teacher_forcing_matches_transformers(tiny_bench_model):
+    """`bench --quality`'s argmax and perplexity equal transformers' on the same float weights."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specserve.benchmarks.quality import agreement_rate, teacher_forced
+    from specserve.engine.engine import EngineArgs, LLMEngine
+
+    g = torch.Generator().manual_seed(0)
+    segments = [torch.randint(3, 290, (n,), generator=g).tolist() for n in (40, 17, 2)]
+    out = teacher_forced(LLMEngine(EngineArgs(model=tiny_bench_model)), segments, logits_chunk=7)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_bench_model).eval()
+    argmax, nll, n = [], 0.0, 0
+    with torch.no_grad():
+        for seg in segments:
+            logp = torch.log_softmax(hf(torch.tensor([seg])).logits[0, :-1].double(), dim=-1)
+            argmax += logp.argmax(-1).tolist()
+            nll -= float(logp.gather(1, torch.tensor(seg[1:])[:, None]).sum())
+            n += len(seg) - 1
+    assert out["num_tokens"] == n == 56
+    assert agreement_rate(out["argmax"], argmax) == 1.0
+    assert math.isclose(out["perplexity"], math.exp(nll / n), rel_tol=1e-4)

@@ -461,11 +461,11 @@ def render_markdown(result: dict) -> str:
     if q:
         lines += ["", f"quality: {q['num_tokens']} teacher-forced tokens ({q['text']}), segments of "
                   f"{q['segment_len']}, against the float32 target:", "",
-                  "| quantization | top-1 agreement with float32 | perplexity | weight bytes (linears) | load s | peak RSS GiB |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| quantization | top-1 agreement with float32 | perplexity | weight bytes (linears) |",
+                  "| --- | --- | --- | --- |"]
         for r in q["rows"]:
             lines.append(f"| {r['quantization']} | {_fmt(100 * r['top1_agreement'], 2)}% | {_fmt(r['perplexity'], 3)} "
-                         f"| {_fmt(r.get('linear_gb'), 3)} GB | {_fmt(r.get('load_s'), 1)} | {_fmt(r.get('peak_rss_gb'), 2)} |")
+                         f"| {_fmt(r.get('linear_gb'), 3)} GB |")
     vk = result["vk"]
     lines += ["", f"V(k) = t(k+1 tokens) / t(1 token), target forward + logits, context {vk['context_len']}, "
               f"median of {vk['repeats']} paired repeats; t(1 token) median {vk['t1_ms_median']:.1f} ms", "",
@@ -477,12 +477,11 @@ def render_markdown(result: dict) -> str:
 
 
 def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
-    """Top-1 agreement with float32 and perplexity of each quantization (see benchmarks/quality.py).
-    Each quantization's engine is built alone (after the previous one is freed), in its own
-    subprocess-free sequence; peak RSS is the process's, so it is reported per load order."""
+    """Top-1 agreement with float32 and perplexity of each quantization (benchmarks/quality.py),
+    one engine at a time (the previous one freed first)."""
     from specserve.benchmarks.quality import agreement_rate, quality_segments, teacher_forced
     from specserve.engine.engine import EngineArgs, LLMEngine
-    from specserve.models.linear import QuantizedLinear
+    from specserve.models.linear import BatchInvariantLinear, QuantizedLinear
 
     rows, reference, segments = [], None, None
     for quantization in ("none", "int8", "int4"):
@@ -493,12 +492,9 @@ def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
         print(f"quality: {quantization}", file=sys.stderr)
         out = teacher_forced(engine, segments)
         reference = reference or out["argmax"]
-        linears = [m for m in engine.model.modules() if isinstance(m, QuantizedLinear)]
-        gb = sum(m.nbytes for m in linears) / 1e9 if linears else sum(
-            m.weight.numel() * 4 for n, m in engine.model.named_modules() if hasattr(m, "prepacked")) / 1e9
+        linears = [m for m in engine.model.modules() if isinstance(m, (BatchInvariantLinear, QuantizedLinear))]
         rows.append({"quantization": quantization, "top1_agreement": agreement_rate(out["argmax"], reference),
-                     "perplexity": out["perplexity"], "linear_gb": gb, "load_s": engine.load_stats.get("seconds"),
-                     "peak_rss_gb": engine.load_stats.get("peak_rss_gb")})
+                     "perplexity": out["perplexity"], "linear_gb": sum(m.nbytes for m in linears) / 1e9})
         del engine
         gc.collect()
     if with_llama_cpp:

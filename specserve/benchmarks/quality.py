@@ -26,7 +26,8 @@ def quality_text() -> str:
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
     parts = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
-        parts += [json.loads(line)["prompt"] + json.loads(line)["canonical_solution"] for line in f if line.strip()]
+        problems = [json.loads(line) for line in f if line.strip()]
+    parts += [p["prompt"] + p["canonical_solution"] for p in problems]
     from specserve.training.corpus import spec_bench_questions
 
     parts += [text for _, text in spec_bench_questions()]
@@ -42,27 +43,25 @@ def quality_segments(tokenizer, num_tokens: int, segment_len: int = 512) -> list
 
 @torch.inference_mode()
 def teacher_forced(engine, segments: list[list[int]], logits_chunk: int = 128) -> dict:
-    """Argmax ids and true-token log-probs of every position but each segment's last."""
-    from specserve.engine.runner import ModelInput
+    """Argmax ids and the perplexity of the true next tokens, at every position but each segment's
+    last (the segments run through the engine's model runner, as hidden states are precomputed)."""
+    from specserve.training.hidden_states import segment_hidden_states
 
-    bm, runner = engine.block_manager, engine.runner
-    argmax, nll, count = [], 0.0, 0
+    # rows whose next token is known: all but the last of each segment
+    rows, targets, start = [], [], 0
     for seg in segments:
-        sid = -2_000_001
-        bm.allocate(sid, len(seg))
-        try:
-            hidden = runner.forward([ModelInput(seg, 0, bm.block_table(sid))]).hidden_states
-            targets = torch.tensor(seg[1:])
-            for start in range(0, len(seg) - 1, logits_chunk):
-                stop = min(start + logits_chunk, len(seg) - 1)
-                logits = runner.model.compute_logits(hidden[start:stop]).double()
-                logp = torch.log_softmax(logits, dim=-1)
-                nll -= float(logp[torch.arange(stop - start), targets[start:stop]].sum())
-                argmax += logits.argmax(-1).tolist()
-                count += stop - start
-        finally:
-            bm.free(sid)
-    return {"argmax": argmax, "perplexity": math.exp(nll / count), "num_tokens": count}
+        rows += range(start, start + len(seg) - 1)
+        targets += seg[1:]
+        start += len(seg)
+    rows_t, targets_t = torch.tensor(rows), torch.tensor(targets)
+    argmax, nll = [], 0.0
+    with segment_hidden_states(engine, segments) as hidden:
+        for i in range(0, len(rows), logits_chunk):
+            logits = engine.runner.model.compute_logits(hidden[rows_t[i:i + logits_chunk]]).double()
+            logp = torch.log_softmax(logits, dim=-1)
+            nll -= float(logp.gather(1, targets_t[i:i + logits_chunk, None]).sum())
+            argmax += logits.argmax(-1).tolist()
+    return {"argmax": argmax, "perplexity": math.exp(nll / len(rows)), "num_tokens": len(rows)}
 
 
 def agreement_rate(a: list[int], b: list[int]) -> float:

@@ -21,7 +21,7 @@ from specserve.kv_cache.block_manager import BlockManager
 from specserve.kv_cache.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import LoadedModel, load_model
-from specserve.models.quantization import QuantizedTensor, check_quantization, to_device
+from specserve.models.quantization import check_quantization, to_device
 from specserve.metrics import SpecDecodeStats, StepStats
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specserve.sample.rejection import rejection_sample, rejection_sample_tensors
@@ -118,11 +118,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         weights = to_device(loaded.weights, args.device, dtype)
         self.model = LlamaForCausalLM(self.model_config, weights, args.quantization).eval()
-        # plain [V, H] tensors for heads that share them (the model's lm_head may be prepacked)
+        # [V, H] tensors for heads that share them (the model's lm_head may be prepacked or
+        # quantized: a head dequantizes it when it is built, see spec_decode._load_head)
         self.target_embedding = weights["model.embed_tokens.weight"]
         self.target_lm_head = weights.get("lm_head.weight", self.target_embedding)
-        if isinstance(self.target_lm_head, QuantizedTensor):  # heads read a float head
-            self.target_lm_head = self.target_lm_head.dequantize()
         cfg = self.model_config
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if args.num_blocks is None:

@@ -139,7 +139,7 @@ inline void q8_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
   for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = hsum8(acc[r]) + b;
 }
 
-// Rows m0..m1-1 against weight rows n0..n1-1, in groups of kGroup rows (remainder: same arithmetic).
+// Rows m0..m1-1 in groups of 4 (the remainder runs the same per-row arithmetic with R < 4).
 template <typename F>
 inline void for_row_groups(int64_t m0, int64_t m1, F&& f) {
   int64_t r = m0;
@@ -150,6 +150,26 @@ inline void for_row_groups(int64_t m0, int64_t m1, F&& f) {
     case 1: f(std::integral_constant<int, 1>{}, r); break;
     default: break;
   }
+}
+
+// f(R, n, r) for every weight row n (split over threads) and group of R rows starting at r; rows
+// in passes of kRowBlock so a thread's weight rows are re-read from cache, not memory.
+template <typename F>
+void for_each_output(int64_t M, int64_t N, F&& f) {
+  if (M == 0 || N == 0) return;
+  at::parallel_for(0, N, 16, [&](int64_t nb, int64_t ne) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t m1 = std::min(M, m0 + kRowBlock);
+      for (int64_t n = nb; n < ne; ++n) for_row_groups(m0, m1, [&](auto R, int64_t r) { f(R, n, r); });
+    }
+  });
+}
+
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dtype() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+              "bias must be a contiguous float32 [N] tensor");
+  return bias->data_ptr<float>();
 }
 
 void check_out(const torch::Tensor& out, int64_t M, int64_t col0, int64_t N) {
@@ -211,8 +231,7 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
               dmin.is_contiguous() && xq.is_contiguous() && dx.is_contiguous() && bsum.is_contiguous(),
               "int4 operands must be contiguous");
   check_out(out, M, col0, N);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) { TORCH_CHECK(bias->numel() == N); bp = bias->data_ptr<float>(); }
+  const float* bp = bias_ptr(bias, N);
   const int8_t* xp = xq.data_ptr<int8_t>();
   const float* dxp = dx.data_ptr<float>();
   const int32_t* bsp = bsum.data_ptr<int32_t>();
@@ -223,16 +242,8 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   const float* dmp = dmin.data_ptr<float>();
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
-  if (M == 0 || N == 0) return;
-  at::parallel_for(0, N, 16, [&](int64_t nb, int64_t ne) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t n = nb; n < ne; ++n) {
-        for_row_groups(m0, m1, [&](auto R, int64_t r) {
-          q4_rows<decltype(R)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
-        });
-      }
-    }
+  for_each_output(M, N, [&](auto R, int64_t n, int64_t r) {
+    q4_rows<decltype(R)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
   });
 }
 
@@ -246,8 +257,7 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor qs, torch::Tens
   TORCH_CHECK(qs.is_contiguous() && sc.is_contiguous() && d.is_contiguous() && xq.is_contiguous() &&
               dx.is_contiguous(), "int8 operands must be contiguous");
   check_out(out, M, col0, N);
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) { TORCH_CHECK(bias->numel() == N); bp = bias->data_ptr<float>(); }
+  const float* bp = bias_ptr(bias, N);
   const int8_t* xp = xq.data_ptr<int8_t>();
   const float* dxp = dx.data_ptr<float>();
   const int8_t* qp = qs.data_ptr<int8_t>();
@@ -255,16 +265,8 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor qs, torch::Tens
   const float* dp = d.data_ptr<float>();
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
-  if (M == 0 || N == 0) return;
-  at::parallel_for(0, N, 16, [&](int64_t nb, int64_t ne) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
-      const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t n = nb; n < ne; ++n) {
-        for_row_groups(m0, m1, [&](auto R, int64_t r) {
-          q8_rows<decltype(R)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
-        });
-      }
-    }
+  for_each_output(M, N, [&](auto R, int64_t n, int64_t r) {
+    q8_rows<decltype(R)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
   });
 }
 

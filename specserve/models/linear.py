@@ -5,8 +5,8 @@ decoding bit for bit, so a row's output may not depend on how many rows are mult
 On CPU the default ``F.linear`` (MKL) picks different kernels for 1 and for several rows (results
 differ by ~1e-4) and costs several times more for 5 rows than for 1. oneDNN's prepacked linear
 (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``) keeps each row's result
-identical for any row count and its cost for a few rows close to one row's
-Elsewhere (CUDA, other dtypes) we fall back to ``F.linear``.
+identical for any row count and its cost for a few rows close to one row's. Elsewhere (CUDA,
+other dtypes) we fall back to ``F.linear``.
 
 :class:`QuantizedLinear` is the same contract over int8 / int4 weights, on our own integer kernels
 (``--quantization``; docs/quantization.md). :func:`make_linear` builds either from weight blocks.
@@ -49,6 +49,11 @@ class BatchInvariantLinear(nn.Module):
             weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.contiguous(), requires_grad=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight (and bias) one forward reads."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
@@ -93,6 +98,7 @@ class QuantizedLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the quantized weight blocks one forward reads."""
         return sum(p.nbytes for p in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -76,17 +76,17 @@ class QuantizedTensor:
         return sum(t.numel() * t.element_size() for t in (self.qs, self.sc, self.mn, self.d, self.dmin)
                    if t is not None)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 ``[N, K]`` weight these integers represent."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The ``[N, K]`` weight these integers represent (float32: bitwise what gguf's own
+        dequantizer gives for Q4_K / Q6_K blocks; float64: the kernels' exact reference)."""
         n, k = self.shape
-        sup = _expand_superblocks(self.d, k)  # [N, K]
+        sup = _expand_superblocks(self.d, k, dtype)  # [N, K]
         if self.layout == "int8":
-            sc = self.sc.float().repeat_interleave(16, dim=1)
-            return sup * sc * self.qs.float()
-        q = unpack_int4(self.qs).float()
-        sc = self.sc.float().repeat_interleave(32, dim=1)
-        mn = self.mn.float().repeat_interleave(32, dim=1)
-        return sup * sc * q - _expand_superblocks(self.dmin, k) * mn
+            return sup * self.sc.to(dtype).repeat_interleave(16, dim=1) * self.qs.to(dtype)
+        q = unpack_int4(self.qs).to(dtype)
+        sc = self.sc.to(dtype).repeat_interleave(32, dim=1)
+        mn = self.mn.to(dtype).repeat_interleave(32, dim=1)
+        return sup * sc * q - _expand_superblocks(self.dmin, k, dtype) * mn
 
     def select_rows(self, index: torch.Tensor) -> "QuantizedTensor":
         """The weight with its output rows reordered (``index [N]`` int64)."""
@@ -107,9 +107,9 @@ class QuantizedTensor:
         return QuantizedTensor(layout, cat("qs"), cat("sc"), cat("mn"), cat("d"), cat("dmin"), "+".join(sources))
 
 
-def _expand_superblocks(v: torch.Tensor, k: int) -> torch.Tensor:
+def _expand_superblocks(v: torch.Tensor, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[N, S]`` per-superblock values -> ``[N, K]``."""
-    return v.float().repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
+    return v.to(dtype).repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -269,14 +269,7 @@ def reference_matmul(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | N
     """
     xq, dx = quantize_rows_reference(x)
     x_hat = xq.double() * dx.double().repeat_interleave(SUPERBLOCK, dim=1)[:, : x.shape[1]]
-    n, k = w.shape
-    sup = w.d.double().repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
-    if w.layout == "int8":
-        w_hat = sup * w.sc.double().repeat_interleave(16, dim=1) * w.qs.double()
-    else:
-        w_hat = (sup * w.sc.double().repeat_interleave(32, dim=1) * unpack_int4(w.qs).double()
-                 - w.dmin.double().repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
-                 * w.mn.double().repeat_interleave(32, dim=1))
+    w_hat = w.dequantize(torch.float64)
     y = x_hat @ w_hat.T
     return y if bias is None else y + bias.double()
 

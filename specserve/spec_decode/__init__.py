@@ -48,6 +48,7 @@ def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Pro
 
 def _load_head(engine: "LLMEngine"):
     from specserve.models.draft_head import load_draft_head
+    from specserve.models.quantization import QuantizedTensor
     from specserve.models.registry import resolve_head
 
     head, _ = load_draft_head(resolve_head(engine.spec_config.model))
@@ -56,7 +57,10 @@ def _load_head(engine: "LLMEngine"):
         raise ValueError(f"head {engine.spec_config.model!r} has hidden size {head.config.hidden_size} and vocab "
                          f"{head.config.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
     head.to(device=engine.args.device, dtype=engine.model.dtype)
-    head.attach_target(engine.target_embedding, engine.target_lm_head, keep_full_lm_head=False)
+    lm_head = engine.target_lm_head
+    if isinstance(lm_head, QuantizedTensor):  # a head scores with a float copy of the target's head
+        lm_head = lm_head.dequantize().to(engine.model.dtype)
+    head.attach_target(engine.target_embedding, lm_head, keep_full_lm_head=False)
     return head
 
 

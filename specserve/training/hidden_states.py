@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -100,9 +101,10 @@ class _ShardBuffer:
         return out
 
 
-@torch.inference_mode()
-def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: int = 256):
-    """Hidden states ``[sum L, H]`` and top-k of the next-token distribution of every token."""
+@contextmanager
+def segment_hidden_states(engine, segments: list[list[int]]):
+    """Run ``segments`` (token id lists, each from position 0) through the engine's model runner in
+    one forward; yields the final hidden states ``[sum L, H]`` and frees the pages on exit."""
     bm, runner = engine.block_manager, engine.runner
     seq_ids = [-(i + 1) for i in range(len(segments))]   # negative: never a request's seq_id
     try:
@@ -110,18 +112,25 @@ def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: i
         for sid, seg in zip(seq_ids, segments):
             bm.allocate(sid, len(seg))
             inputs.append(ModelInput(seg, 0, bm.block_table(sid)))
-        hidden = runner.forward(inputs).hidden_states      # [T, H]
-        ids, probs = [], []
-        for start in range(0, hidden.shape[0], logits_chunk):
-            logits = runner.model.compute_logits(hidden[start:start + logits_chunk])  # [c, V] float32
-            p, i = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
-            ids.append(i)
-            probs.append(p)
-        return hidden.float(), torch.cat(ids), torch.cat(probs)
+        with torch.inference_mode():
+            yield runner.forward(inputs).hidden_states
     finally:
         for sid in seq_ids:
             if bm.has_seq(sid):
                 bm.free(sid)
+
+
+@torch.inference_mode()
+def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: int = 256):
+    """Hidden states ``[sum L, H]`` and top-k of the next-token distribution of every token."""
+    with segment_hidden_states(engine, segments) as hidden:
+        ids, probs = [], []
+        for start in range(0, hidden.shape[0], logits_chunk):
+            logits = engine.runner.model.compute_logits(hidden[start:start + logits_chunk])  # [c, V] float32
+            p, i = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+            ids.append(i)
+            probs.append(p)
+        return hidden.float(), torch.cat(ids), torch.cat(probs)
 
 
 def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]], out_dir: str | Path,
