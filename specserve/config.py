@@ -16,6 +16,13 @@ if TYPE_CHECKING:
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 
+# Defaults of the engine and the command line, in one place.
+DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # drafts for DEFAULT_MODEL (same tokenizer)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 2  # best k measured by `specserve bench` (BENCHMARKS.md)
+DEFAULT_QUANTIZATION = "int4"  # the command line's: the fastest mode whose quality holds (BENCHMARKS.md)
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 @dataclass
 class ModelConfig:
@@ -211,3 +218,50 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; valid: {sorted(known)}")
         return cls(**d)
+
+
+@dataclass
+class EngineArgs:
+    """Everything needed to build an engine (vLLM's argument names).
+
+    ``kv_cache_memory_gb`` sizes the page pool when ``num_blocks`` is not given. ``quantization``
+    (vLLM's name): ``"none"`` (float weights), ``"int8"`` or ``"int4"`` (batch-invariant integer
+    linears, :mod:`specserve.models.quantization`); the draft's is ``speculative_config``'s
+    ``draft_quantization`` (default: the same as the target's).
+
+    Raises:
+        ValueError: a bad value, named (dtype, quantization with a non-float32 dtype or a non-CPU
+            device, max_model_len < 2, kv_cache_memory_gb <= 0, a bad speculative_config).
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+    device: str = "cpu"
+    speculative_config: "SpeculativeConfig | dict | None" = None
+    quantization: str = "none"
+
+    def __post_init__(self) -> None:
+        from specserve.models.quantization import check_quantization
+
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        self.quantization = check_quantization(self.quantization)
+        if self.quantization != "none":
+            if self.dtype != "float32":
+                raise ValueError(f"quantization {self.quantization!r} runs float32 activations; "
+                                 f"use dtype float32, not {self.dtype!r}")
+            if self.device != "cpu":
+                raise ValueError(f"quantization {self.quantization!r} has CPU kernels only; "
+                                 f"device {self.device!r} has none (use quantization 'none')")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")

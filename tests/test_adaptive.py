@@ -317,5 +317,5 @@ def test_engine_deferred_draft_prefill(tiny_qwen2_dir, tmp_path, later):
     assert calls[6] == 5 + 3                        # asked again: the prompt + the tokens decoded since
     assert (engine.spec_stats.num_draft_tokens > 0) == later
     assert (ctrl.draft_prefill_s_per_token is not None) == later
-    assert not engine._draft_deferred
+    assert not engine.worker._deferred
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -112,8 +112,6 @@ def test_errors():
         bm.truncate(42, 0)
     with pytest.raises(KeyError):
         bm.block_table(42)
-    with pytest.raises(KeyError):
-        bm.fork(42, 43)
     bm.allocate(0, 5)
     with pytest.raises(ValueError):
         bm.truncate(0, 6)
@@ -122,8 +120,6 @@ def test_errors():
     with pytest.raises(ValueError):
         bm.allocate(0, -1)
     bm.allocate(1, 1)
-    with pytest.raises(ValueError):
-        bm.fork(0, 1)
     bm.free(0)
     with pytest.raises(KeyError):
         bm.free(0)
@@ -133,80 +129,16 @@ def test_errors():
         BlockManager(4, 0)
 
 
-def test_fork_shares_pages_and_free_releases_at_zero():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    bm.allocate(0, 8)  # full pages [0, 1]
-    bm.fork(0, 1)
-    assert bm.block_table(1) == [0, 1]
-    assert bm.ref_count(0) == 2 and bm.ref_count(1) == 2
-    assert bm.num_free_blocks == 4
-    # growth past full pages needs no copy
-    assert bm.num_blocks_needed(1, 9) == 1
-    assert bm.allocate(1, 9) == [2]
-    assert bm.pop_pending_copies() == []
-    bm.free(0)
-    assert bm.num_free_blocks == 3  # pages 0, 1 still held by seq 1
-    bm.check_invariants()
-    bm.free(1)
-    assert bm.num_free_blocks == 6
-    bm.check_invariants()
-
-
-def test_copy_on_write_of_shared_partial_page():
-    bm = BlockManager(num_blocks=6, block_size=4)
-    bm.allocate(0, 6)  # [0, 1], page 1 half full
-    bm.fork(0, 1)
-    assert bm.num_blocks_needed(1, 7) == 1  # cow, no new page
-    assert bm.num_blocks_needed(1, 9) == 2  # cow + new page
-    assert bm.allocate(1, 9) == [2, 3]
-    assert bm.block_table(1) == [0, 2, 3]
-    assert bm.pop_pending_copies() == [(1, 2)]
-    assert bm.pop_pending_copies() == []
-    assert bm.ref_count(1) == 1 and bm.ref_count(0) == 2
-    # parent is sole owner of page 1 again: no copy for it
-    assert bm.allocate(0, 7) == []
-    assert bm.pop_pending_copies() == []
-    bm.check_invariants()
-
-
-def test_cow_after_truncate_into_shared_page_and_failure_without_room():
-    bm = BlockManager(num_blocks=2, block_size=4)
-    bm.allocate(0, 8)
-    bm.fork(0, 1)
-    bm.truncate(1, 2)  # child keeps page 0 (shared), partially
-    assert bm.block_table(1) == [0]
-    assert bm.num_blocks_needed(1, 3) == 1
-    assert not bm.can_allocate(1, 3)
-    with pytest.raises(NoFreeBlocksError):
-        bm.allocate(1, 3)
-    assert bm.pop_pending_copies() == []
-    bm.free(0)  # page 1 returns; page 0 now only child's
-    assert bm.num_blocks_needed(1, 3) == 0
-    bm.check_invariants()
-
-
-def test_pending_copy_dropped_when_target_freed():
-    bm = BlockManager(num_blocks=4, block_size=4)
-    bm.allocate(0, 2)
-    bm.fork(0, 1)
-    bm.allocate(1, 3)  # cow: (0 -> 1)
-    bm.free(1)  # aborted before applying
-    assert bm.pop_pending_copies() == []
-    bm.check_invariants()
-
-
-# ------------------------------------------------------------ stateful machine
 NUM_BLOCKS = 6
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate/grow/truncate/fork/free/abort against a shadow model.
+    """Random allocate/grow/truncate/free/abort against a shadow model.
 
     The shadow tracks, per sequence, the "content" written at each position
     (unique ints) and a simulated KV store keyed by slot id. After every step
     every sequence must read back exactly its own content through its slot
-    mapping, which proves no two sequences write to the same slot and that
-    copy-on-write is applied correctly.
+    mapping, which proves no two sequences write to the same slot.
     """
 
     block_size = 16
@@ -215,7 +147,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.bm = BlockManager(NUM_BLOCKS, self.block_size)
         self.content: dict[int, list[int]] = {}
-        self.family: dict[int, int] = {}  # seq -> root of fork lineage
         self.store: dict[int, int] = {}  # slot -> value
         self.next_seq = 0
         self.next_val = 0
@@ -227,17 +158,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             {s: (bm.block_table(s), bm.num_tokens(s)) for s in bm.seq_ids()},
             list(bm._free),
             [bm.ref_count(p) for p in range(bm.num_blocks)],
-            list(bm._pending_copies),
         )
-
-    def _apply_copies(self):
-        bs = self.block_size
-        for src, dst in self.bm.pop_pending_copies():
-            for off in range(bs):
-                if src * bs + off in self.store:
-                    self.store[dst * bs + off] = self.store[src * bs + off]
-                else:
-                    self.store.pop(dst * bs + off, None)
 
     def _grow(self, sid: int, total: int, write: bool = True) -> bool:
         old = self.content[sid] if sid in self.content else None
@@ -258,9 +179,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == len(before[1]) - needed
         if old is None:
             self.content[sid] = []
-            self.family[sid] = sid
         if write and total > old_len:
-            self._apply_copies()
             slots = self.bm.slot_mapping(sid, old_len, total)
             for slot in slots:
                 self.store[slot] = self.next_val
@@ -303,24 +222,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.content)
     @rule(i=st.integers(0, 100))
-    def fork(self, i):
-        parent = self._pick(i)
-        child = self.next_seq
-        self.next_seq += 1
-        free_before = self.bm.num_free_blocks
-        self.bm.fork(parent, child)
-        assert self.bm.num_free_blocks == free_before
-        assert self.bm.block_table(child) == self.bm.block_table(parent)
-        self.content[child] = list(self.content[parent])
-        self.family[child] = self.family[parent]
-
-    @precondition(lambda self: self.content)
-    @rule(i=st.integers(0, 100))
     def free(self, i):
         sid = self._pick(i)
         self.bm.free(sid)
         del self.content[sid]
-        del self.family[sid]
         assert not self.bm.has_seq(sid)
 
     @precondition(lambda self: self.content)
@@ -331,10 +236,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self._grow(sid, len(self.content[sid]) + extra, write=False)
         self.bm.free(sid)
         del self.content[sid]
-        del self.family[sid]
-        # any surviving queued copy must target a page someone still owns
-        for _src, dst in self.bm._pending_copies:
-            assert self.bm.ref_count(dst) > 0
 
     @rule(i=st.integers(0, 100))
     def free_unknown_raises(self, i):
@@ -352,14 +253,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.usage == pytest.approx(len(owned) / NUM_BLOCKS)
 
     @invariant()
-    def pages_shared_only_within_fork_family(self):
-        holders: dict[int, set[int]] = {}
-        for s in self.content:
-            for p in self.bm.block_table(s):
-                holders.setdefault(p, set()).add(s)
-        for p, seqs in holders.items():
-            fams = {self.family[s] for s in seqs}
-            assert len(fams) == 1, f"page {p} owned by unrelated seqs {seqs}"
+    def no_page_shared(self):
+        holders = [p for s in self.content for p in self.bm.block_table(s)]
+        assert len(holders) == len(set(holders)), "a page is held by two sequences"
 
     @invariant()
     def every_seq_reads_its_own_content(self):
@@ -374,7 +270,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         assert self.bm.num_free_blocks == self.bm.num_blocks
         assert self.bm.usage == 0.0
-        assert self.bm.pop_pending_copies() == []
 
 
 def _machine(bs: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import specserve.engine.engine as engine_mod
+import specserve.spec_decode.worker as worker_mod
 from specserve.entrypoints.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.spec_decode.ngram import find_ngram_continuation
@@ -37,13 +37,13 @@ def greedy_reference(tiny_qwen2_dir):
 def test_eagle_greedy_equals_no_speculation(tiny_qwen2_dir, head_dir, greedy_reference, tree, monkeypatch):
     params, ref = greedy_reference
     moved = []
-    real_compact = engine_mod.compact_accepted_kv
+    real_compact = worker_mod.compact_accepted_kv
 
     def spy(key, value, slots, accepted):
         moved.append(accepted != list(range(1, len(accepted) + 1)))   # not already in place
         return real_compact(key, value, slots, accepted)
 
-    monkeypatch.setattr(engine_mod, "compact_accepted_kv", spy)
+    monkeypatch.setattr(worker_mod, "compact_accepted_kv", spy)
     spec = LLM(tiny_qwen2_dir, speculative_config={"method": "eagle", "model": str(head_dir), "adaptive": False,
                                                    **TREES[tree]})
     for batch in ([PROMPTS[4]], PROMPTS):   # batch 1, then 8 prompts of mixed lengths
@@ -120,7 +120,7 @@ def test_tree_sampling_with_a_wrong_residual_fails(sampling_engines, monkeypatch
         return tree_mod.TreeAcceptance(out.accepted_nodes, out.output_token_ids[:-1] + [final])
 
     real_accept = tree_mod.accept_tree
-    monkeypatch.setattr(engine_mod, "accept_tree", wrong_accept)
+    monkeypatch.setattr(worker_mod, "accept_tree", wrong_accept)
     base, tree = sampling_engines
     assert min(joint_pvalues(base, tree, temperature=1.0)) < 1e-3
 

@@ -100,40 +100,6 @@ def test_two_interleaved_sequences_stay_separate():
     assert torch.equal(kv.gather(0, s1)[0], torch.stack(expected[1]))
 
 
-def test_copy_blocks_and_fork_copy_on_write_with_target_and_draft():
-    bs, h, d = 4, 1, 2
-    bm = BlockManager(num_blocks=4, block_size=bs)
-    target = KVCache(2, 4, bs, h, d)
-    draft = KVCache(1, 4, bs, h, d)
-    bm.allocate(0, 6)  # pages [0, 1], page 1 half full
-    slots = torch.tensor(bm.slot_mapping(0, 0, 6))
-    parent_k = torch.arange(6 * h * d, dtype=torch.float32).view(6, h, d)
-    for cache in (target, draft):
-        for layer in range(cache.num_layers):
-            cache.write(layer, slots, parent_k, parent_k)
-    bm.fork(0, 1)
-    bm.allocate(1, 7)  # copy-on-write of page 1
-    copies = bm.pop_pending_copies()
-    assert copies == [(1, 2)]
-    src, dst = zip(*copies)
-    for cache in (target, draft):
-        cache.copy_blocks(list(src), list(dst))
-    new_slot = torch.tensor(bm.slot_mapping(1, 6, 7))
-    for cache in (target, draft):
-        for layer in range(cache.num_layers):
-            cache.write(layer, new_slot, torch.full((1, h, d), 99.0), torch.full((1, h, d), 99.0))
-    for cache in (target, draft):
-        for layer in range(cache.num_layers):
-            pk, _ = cache.gather(layer, torch.tensor(bm.slot_mapping(0, 0, 6)))
-            assert torch.equal(pk, parent_k)  # parent untouched
-            ck, _ = cache.gather(layer, torch.tensor(bm.slot_mapping(1, 0, 7)))
-            assert torch.equal(ck[:6], parent_k)
-            assert torch.equal(ck[6], torch.full((h, d), 99.0))
-    with pytest.raises(ValueError):
-        target.copy_blocks([0], [])
-    target.copy_blocks([], [])
-
-
 def test_num_blocks_for_memory_hand_computed():
     # per block: 2 (k,v) * 2 layers * 16 slots * 4 heads * 8 dim * 2 bytes = 4096
     assert KVCache.num_blocks_for_memory(1 << 20, 2, 16, 4, 8, torch.float16) == 256

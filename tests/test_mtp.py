@@ -43,34 +43,50 @@ def test_mtp_greedy_equals_no_speculation(tiny_qwen2_dir, tmp_path, variant, dra
         assert eng.spec_stats.num_draft_tokens > 0
 
 
-def test_head_kv_is_refilled_from_target_hidden_states(tiny_qwen2_dir, tmp_path):
+@pytest.mark.parametrize("path", ["sync_free", "general"])
+def test_head_kv_is_refilled_from_target_hidden_states(tiny_qwen2_dir, tmp_path, path):
     """After generation steps, the head's KV at every position the head covers equals a fresh head
-    forward over the target's own hidden states, even though proposals ran the head on its own
-    (here deliberately corrupted) features at those positions first."""
+    forward over the target's own hidden states, even though drafting ran the head on its own
+    (here deliberately corrupted) features at those positions first. Both paths that run: the
+    sync-free step (the head refilled inside the step) and the general one (asking for logprobs
+    keeps the drafts on the host; the head is refilled by the next catch-up)."""
+    from specserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
     head_dir = save_random_head(tiny_qwen2_dir, tmp_path / "head")
     llm = LLM(tiny_qwen2_dir, speculative_config={"method": "mtp", "model": str(head_dir),
                                                   "num_speculative_tokens": 3, "adaptive": False})
     eng = llm.llm_engine
     prop = eng.proposer
-    real_run, real_propose, proposing = prop._run, prop.propose, [False]
+    real_run, drafting, corrupted = prop._run, [False], [0]
 
-    def propose(*a, **kw):
-        proposing[0] = True
-        try:
-            return real_propose(*a, **kw)
-        finally:
-            proposing[0] = False
+    def while_drafting(fn):
+        def wrapper(*a, **kw):
+            drafting[0] = True
+            try:
+                return fn(*a, **kw)
+            finally:
+                drafting[0] = False
+        return wrapper
 
     def corrupting_run(hidden, *a, **kw):   # the head's own features, while drafting, are garbage
-        return real_run(hidden + 100.0 if proposing[0] else hidden, *a, **kw)
+        if drafting[0]:
+            corrupted[0] += 1
+            hidden = hidden + 100.0
+        return real_run(hidden, *a, **kw)
 
-    prop._run, prop.propose = corrupting_run, propose
+    prop._run = corrupting_run
+    prop.propose = while_drafting(prop.propose)
+    prop.propose_on_device = while_drafting(prop.propose_on_device)
     prompt = PROMPTS[3]
-    eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                            logprobs=0 if path == "general" else None)
+    eng.add_request("r", prompt, params)
     for _ in range(4):
         eng.step()
+    assert corrupted[0] > 0, "the corruption never fired: drafting took another path"
+    assert (eng.spec_stats.num_sync_free_steps > 0) == (path == "sync_free")
     req = eng.requests["r"][0]
-    eng.proposer.catch_up([req])
+    prop.catch_up(eng.scheduler.step_batch(SchedulerOutput([ScheduledRequest(req, 1)])))
     st = prop.states[req.seq_id]
     n = st.num_computed
     # the oracle: the target's hidden states over the whole sequence, then the head over them
@@ -88,6 +104,20 @@ def test_head_kv_is_refilled_from_target_hidden_states(tiny_qwen2_dir, tmp_path)
                         PagedKV(prop.kv.key_cache[0], prop.kv.value_cache[0], md))
     torch.testing.assert_close(got[0], want[n - 1], rtol=1e-4, atol=1e-4)
     assert n >= len(prompt) + 3
+
+
+def test_trained_head_is_accepted_more_often_than_an_untrained_one(tiny_qwen2_dir, tmp_path, trained_tiny_head):
+    """The head trained on the target's own continuations drafts tokens the target accepts far more
+    often than a random head of the same shape, on prompts it never saw."""
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    rates = {}
+    for name, head in (("trained", trained_tiny_head), ("untrained", save_random_head(tiny_qwen2_dir, tmp_path / "r"))):
+        llm = LLM(tiny_qwen2_dir, speculative_config={"method": "mtp", "model": str(head),
+                                                      "num_speculative_tokens": 3, "adaptive": False})
+        llm.generate(prompts, params)
+        rates[name] = llm.llm_engine.spec_stats.acceptance_rate
+    assert rates["trained"] > 0.1 and rates["trained"] > 3 * rates["untrained"], rates
 
 
 def test_chain_accuracy_hand_case():

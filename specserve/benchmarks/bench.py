@@ -1,7 +1,8 @@
 """``specserve bench``: decode tokens/s and TTFT against HF transformers, and the verify cost V(k).
 
 Three measurements, all greedy, on the same weights and prompts, in one process (so machine load
-hits every engine alike; see ../shared/DESIGN.md, "Measuring"):
+hits every engine alike: on a small shared machine, runs minutes apart differ by more than the
+effects measured; BENCHMARKS.md reports ratios from one run):
 
 1. **specserve** (``LLMEngine``, no speculation): the first ``--num-prompts`` HumanEval prompts, each
    generating exactly ``--max-tokens`` tokens (``ignore_eos``), ``--batch-size`` requests at a time.
@@ -179,12 +180,11 @@ def summarize(records: list[dict], batches: list[dict]) -> dict:
 
 # ----------------------------------------------------------------------------------------- specserve
 
-def _engine_args(args: argparse.Namespace, speculative_config: dict | None = None):
+def _engine_args(args: argparse.Namespace, speculative_config: dict | None = None, **overrides):
     """The engine the CLI flags describe (every engine flag), with ``speculative_config`` as given."""
-    from specserve.engine.engine import EngineArgs
-    from specserve.entrypoints.cli import engine_kwargs
+    from specserve.entrypoints.args import engine_args
 
-    return EngineArgs(**{**engine_kwargs(args), "speculative_config": speculative_config})
+    return engine_args(args, speculative_config=speculative_config, **overrides)
 
 
 def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list[list[int]],
@@ -265,7 +265,7 @@ def measure_vk(engine, context_ids: list[int], max_k: int, repeats: int, warmup:
     """V(k) for k = 1..max_k with ``context_ids`` prefilled (see module doc)."""
     from tqdm import tqdm
 
-    from specserve.engine.runner import ModelInput
+    from specserve.worker.model_runner import ModelInput
 
     runner, bm = engine.runner, engine.block_manager
     ctx = len(context_ids)
@@ -480,13 +480,12 @@ def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
     """Top-1 agreement with float32 and perplexity of each quantization (benchmarks/quality.py),
     one engine at a time (the previous one freed first)."""
     from specserve.benchmarks.quality import agreement_rate, quality_segments, teacher_forced
-    from specserve.engine.engine import EngineArgs, LLMEngine
+    from specserve.engine.engine import LLMEngine
     from specserve.models.linear import BatchInvariantLinear, QuantizedLinear
 
     rows, reference, segments = [], None, None
     for quantization in ("none", "int8", "int4"):
-        engine = LLMEngine(EngineArgs(model=args.model, quantization=quantization, max_model_len=args.max_model_len,
-                                      block_size=args.block_size))
+        engine = LLMEngine(_engine_args(args, None, quantization=quantization))
         if segments is None:
             segments = quality_segments(engine.tokenizer, args.quality_tokens)
         print(f"quality: {quantization}", file=sys.stderr)
@@ -585,7 +584,7 @@ def run_bench(args: argparse.Namespace) -> int:
     eos = list(engine.model_config.eos_token_ids)
     del engine
     gc.collect()
-    from specserve.entrypoints.cli import speculative_config
+    from specserve.entrypoints.args import speculative_config
     spec_cfg = speculative_config(args)
     result["speculative"] = (bench_speculative(args, spec_cfg, prompt_ids, result["specserve"])
                              if spec_cfg and args.spec_ks.strip() else [])

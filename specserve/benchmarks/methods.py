@@ -41,7 +41,7 @@ def default_head(model: str) -> str | None:
 
 def method_config(method: str, args: argparse.Namespace) -> dict | None:
     """The ``speculative_config`` of one method row (None for ``none``)."""
-    from specserve.entrypoints.cli import DEFAULT_DRAFT
+    from specserve.config import DEFAULT_DRAFT
 
     k = args.num_speculative_tokens
     if method == "none":

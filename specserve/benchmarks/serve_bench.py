@@ -165,7 +165,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[str]]:
 
 
 def _draft_config(args: argparse.Namespace) -> dict | None:
-    from specserve.entrypoints.cli import speculative_config
+    from specserve.entrypoints.args import speculative_config
 
     return speculative_config(argparse.Namespace(**{**vars(args), "no_speculation": False}))
 

@@ -10,18 +10,6 @@ from specserve.metrics import SpecDecodeStats
 from specserve.sampling_params import SamplingParams
 
 
-def sampling_metadata(reqs: list["Request"], output_histories: list[list[int]] | None = None,
-                      device: torch.device | str = "cpu"):
-    """``SamplingMetadata`` with one row per entry of ``reqs`` (a request may repeat, one row per
-    position). ``output_histories`` overrides each row's output tokens (drafts count as output for
-    penalties); by default each request's own output."""
-    from specserve.sample.sampler import SamplingMetadata
-
-    histories = output_histories if output_histories is not None else [r.output_token_ids for r in reqs]
-    return SamplingMetadata.build([r.params for r in reqs], [r.prompt_token_ids for r in reqs], histories,
-                                  [r.generator for r in reqs], device=device)
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -45,6 +33,7 @@ class Request:
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.token_ids: list[int] = list(prompt_token_ids)   # prompt + output, grown in place
         self.params = params
         self.generator = generator
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
@@ -72,7 +61,12 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + output (the request's own list: read it, do not change it)."""
+        return self.token_ids
+
+    def append_output(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.token_ids.append(token)
 
     @property
     def is_finished(self) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from specserve.config import SchedulerConfig
 from specserve.engine.request import Request, RequestStatus
 from specserve.kv_cache.block_manager import BlockManager
+from specserve.worker.step import StepBatch
 
 
 @dataclass
@@ -115,6 +116,25 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
+
+    def step_batch(self, out: SchedulerOutput) -> StepBatch:
+        """The :class:`StepBatch` of a schedule: what the workers see of the chosen sequences."""
+        reqs = [s.request for s in out.scheduled]
+        bm, max_len = self.block_manager, self.config.max_model_len
+        max_new, max_draft = [], []
+        for r in reqs:
+            room = max_len - r.num_tokens if max_len else 1 << 62
+            left = r.params.max_tokens - len(r.output_token_ids) if r.params.max_tokens is not None else 1 << 62
+            max_new.append(min(room, left))
+            max_draft.append(max(0, min(room, left - 1)))
+        return StepBatch(
+            seq_ids=[r.seq_id for r in reqs], prompt_token_ids=[r.prompt_token_ids for r in reqs],
+            output_token_ids=[r.output_token_ids for r in reqs], token_ids=[r.token_ids for r in reqs],
+            context_lens=[r.num_computed_tokens for r in reqs], query_lens=[s.num_new_tokens for s in out.scheduled],
+            block_tables=[bm.block_table(r.seq_id) for r in reqs], params=[r.params for r in reqs],
+            generators=[r.generator for r in reqs], max_new_tokens=max_new, max_draft_tokens=max_draft,
+            block_size=bm.block_size,
+            expected_batch_size=min(len(self.running) + len(self.waiting), self.config.max_num_seqs))
 
     def _slots_wanted(self, req: Request, num_new: int, num_lookahead_tokens: int) -> int:
         """Slots ``req`` needs this step: its new tokens, plus the lookahead once it samples; never

@@ -5,7 +5,8 @@ from typing import Any, Sequence
 
 from tqdm.auto import tqdm
 
-from specserve.engine.engine import DEFAULT_MODEL, EngineArgs, LLMEngine
+from specserve.config import DEFAULT_MODEL, EngineArgs
+from specserve.engine.engine import LLMEngine
 from specserve.models.loader import LoadedModel
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -35,6 +36,11 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown LLM argument(s) {unknown}; valid: {sorted(fields - {'model'})}")
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs), loaded=loaded, loaded_draft=loaded_draft)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        """An ``LLM`` over an engine built from ``args`` (as the command line builds them)."""
+        return cls(**{f: getattr(args, f) for f in EngineArgs.__dataclass_fields__})
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

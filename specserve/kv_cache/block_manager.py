@@ -16,19 +16,9 @@ Speculative decoding: reserve slots for the draft tokens with
 :meth:`BlockManager.truncate` (rollback by length; the stale KV entries in the
 kept partial page are simply overwritten later).
 
-Forking and copy-on-write
--------------------------
-:meth:`BlockManager.fork` makes the child share all of the parent's pages
-(reference counts +1). Shared pages are read-only. Only the *last* page of a
-table can be partially filled, and it is the only one a later write can
-touch. When :meth:`BlockManager.allocate` grows a sequence whose last page is
-partially filled and shared (refcount > 1), it copies on write: it takes a
-fresh page, puts it in place of the shared one in this sequence's table
-(dropping one reference to the old page) and records the pair
-``(src_page, dst_page)`` as a pending copy. The caller must fetch these pairs
-with :meth:`BlockManager.pop_pending_copies` and apply them to *every* model's
-KV tensors (``KVCache.copy_blocks(src, dst)``) before writing new KV and before
-the next allocate/free that could recycle ``src_page``.
+Reference counts: every page records how many tables hold it and goes back to the pool at 0.
+Today each page has one holder; prefix caching (pages shared by their token chain, never written
+while shared) is what will give a page several.
 """
 
 from __future__ import annotations
@@ -72,7 +62,6 @@ class BlockManager:
         self._ref_counts: list[int] = [0] * self.num_blocks
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
-        self._pending_copies: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------ stats
     @property
@@ -112,22 +101,11 @@ class BlockManager:
         return list(self._tables[seq_id])
 
     # ------------------------------------------------------------- planning
-    def _needs_cow(self, seq_id: int | None, num_tokens: int) -> bool:
-        """Would growing to ``num_tokens`` write into a shared partial last page?"""
-        if seq_id is None or seq_id not in self._tables:
-            return False
-        cur = self._num_tokens[seq_id]
-        if num_tokens <= cur or cur % self.block_size == 0:
-            return False
-        last = self._tables[seq_id][-1]
-        return self._ref_counts[last] > 1
-
     def num_blocks_needed(self, seq_id: int | None, num_tokens: int) -> int:
         """Extra pages needed so that ``seq_id`` holds ``num_tokens`` slots in total.
 
-        ``seq_id`` None or unknown means a new sequence. Includes one page for
-        copy-on-write when growth would write into a shared partial last page.
-        Returns 0 if the sequence already covers ``num_tokens``.
+        ``seq_id`` None or unknown means a new sequence. Returns 0 if the
+        sequence already covers ``num_tokens``.
 
         Raises:
             ValueError: ``num_tokens`` < 0.
@@ -135,10 +113,7 @@ class BlockManager:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         have = len(self._tables.get(seq_id, ())) if seq_id is not None else 0
-        need = max(0, _cdiv(num_tokens, self.block_size) - have)
-        if self._needs_cow(seq_id, num_tokens):
-            need += 1
-        return need
+        return max(0, _cdiv(num_tokens, self.block_size) - have)
 
     def can_allocate(self, seq_id: int | None, num_tokens: int) -> bool:
         """Whether :meth:`allocate` of ``num_tokens`` total slots would succeed."""
@@ -150,13 +125,10 @@ class BlockManager:
 
         A new ``seq_id`` gets a fresh table (possibly empty if ``num_tokens``
         is 0). If the sequence already covers ``num_tokens`` slots nothing
-        changes (allocate never shrinks; use :meth:`truncate`). Growth into a
-        shared, partially filled last page copies on write (see module doc);
-        the copy is queued for :meth:`pop_pending_copies`.
+        changes (allocate never shrinks; use :meth:`truncate`).
 
         Returns:
-            The pages newly taken from the pool, in the order taken (a
-            copy-on-write target first, then appended pages).
+            The pages newly taken from the pool, in the order taken.
 
         Raises:
             ValueError: ``num_tokens`` < 0.
@@ -173,13 +145,6 @@ class BlockManager:
             self._tables[seq_id] = []
             self._num_tokens[seq_id] = 0
         table = self._tables[seq_id]
-        if self._needs_cow(seq_id, num_tokens):
-            old = table[-1]
-            dst = self._take()
-            self._ref_counts[old] -= 1  # still > 0: another table holds it
-            table[-1] = dst
-            self._pending_copies.append((old, dst))
-            new_pages.append(dst)
         while len(table) < _cdiv(num_tokens, self.block_size):
             page = self._take()
             table.append(page)
@@ -210,26 +175,6 @@ class BlockManager:
             self._release(table.pop())
         self._num_tokens[seq_id] = num_tokens
 
-    def fork(self, parent_id: int, child_id: int) -> None:
-        """Give ``child_id`` a table sharing all of ``parent_id``'s pages.
-
-        Each shared page's ref count goes up by one; the child reserves the
-        same number of slots. Later growth of either side into the shared
-        partial last page copies on write (see module doc).
-
-        Raises:
-            KeyError: unknown ``parent_id``.
-            ValueError: ``child_id`` already exists.
-        """
-        self._require(parent_id)
-        if child_id in self._tables:
-            raise ValueError(f"seq {child_id} already exists; cannot fork into it")
-        table = list(self._tables[parent_id])
-        for page in table:
-            self._ref_counts[page] += 1
-        self._tables[child_id] = table
-        self._num_tokens[child_id] = self._num_tokens[parent_id]
-
     def free(self, seq_id: int) -> None:
         """Drop ``seq_id`` and release every page it holds (finish or abort).
 
@@ -241,11 +186,6 @@ class BlockManager:
         del self._num_tokens[seq_id]
         for page in reversed(table):
             self._release(page)
-
-    def pop_pending_copies(self) -> list[tuple[int, int]]:
-        """Return and clear the queued copy-on-write ``(src_page, dst_page)`` pairs."""
-        out, self._pending_copies = self._pending_copies, []
-        return out
 
     # --------------------------------------------------------------- lookup
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
@@ -279,8 +219,6 @@ class BlockManager:
         self._ref_counts[page] -= 1
         if self._ref_counts[page] == 0:
             self._free.append(page)
-            # a queued copy into a page that is gone again is moot
-            self._pending_copies = [c for c in self._pending_copies if c[1] != page]
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent.

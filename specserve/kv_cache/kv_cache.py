@@ -122,25 +122,6 @@ class KVCache:
             self._flat(self.value_cache, layer).index_select(0, idx),
         )
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages ``src[i] -> dst[i]`` in every layer (copy-on-write).
-
-        Apply the pairs from ``BlockManager.pop_pending_copies()`` here.
-        ``dst`` pages must be distinct; all sources are read before any write.
-
-        Raises:
-            ValueError: ``src`` and ``dst`` lengths differ.
-        """
-        if len(src) != len(dst):
-            raise ValueError(f"src/dst length mismatch: {len(src)} vs {len(dst)}")
-        if not src:
-            return
-        s = torch.tensor(src, dtype=torch.int64, device=self.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
-        # advanced indexing on the right makes a copy first
-        self.key_cache[:, d] = self.key_cache[:, s]
-        self.value_cache[:, d] = self.value_cache[:, s]
-
     @staticmethod
     def bytes_per_block(
         num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

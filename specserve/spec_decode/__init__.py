@@ -1,15 +1,38 @@
-"""Speculation methods, chosen by ``SpeculativeConfig.method`` through :data:`PROPOSER_BUILDERS`."""
+"""Speculation methods, chosen by ``SpeculativeConfig.method`` through :data:`PROPOSER_BUILDERS`.
+
+A method is a :class:`~specserve.spec_decode.proposer.Proposer` and a builder here; the
+speculative worker (:mod:`specserve.spec_decode.worker`) runs every one of them the same way.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
 
-from specserve.config import SpeculativeMethod
-from specserve.spec_decode.proposer import DraftProposal, Proposer
+import torch
+
+from specserve.config import ModelConfig, SpeculativeConfig, SpeculativeMethod
+from specserve.spec_decode.proposer import DraftProposal, Proposer, TreeProposal
 
 if TYPE_CHECKING:
-    from specserve.engine.engine import LLMEngine
     from specserve.models.loader import LoadedModel
 
+
+@dataclass
+class TargetInfo:
+    """What a proposer's builder may know of the target: its config and tokenizer, how it runs
+    (``dtype``, ``device``, ``quantization``), its page pool (``num_blocks`` x ``block_size``; a
+    draft's KV uses the same page ids) and its ``embedding [V, H]`` and ``lm_head [V, H]`` weights
+    (a head shares them; ``lm_head`` may be quantized)."""
+
+    config: ModelConfig
+    tokenizer: Any
+    dtype: torch.dtype
+    device: str
+    quantization: str
+    num_blocks: int
+    block_size: int
+    embedding: torch.Tensor
+    lm_head: Any
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     """Raise ``ValueError`` unless both tokenizers map every token string to the same id."""
@@ -21,72 +44,68 @@ def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
             f"tokens; first differing token {differing!r}): draft-target speculation needs the same vocabulary")
 
 
-def _build_draft_model(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
-    from specserve.engine.runner import ModelRunner
+def _build_draft_model(cfg: SpeculativeConfig, target: TargetInfo, loaded: "LoadedModel | None") -> Proposer:
     from specserve.kv_cache.kv_cache import KVCache
     from specserve.models.llama import LlamaForCausalLM
     from specserve.models.loader import load_model, load_tokenizer
     from specserve.models.quantization import to_device
     from specserve.spec_decode.draft_model import DraftModelProposer
+    from specserve.worker.model_runner import ModelRunner
 
-    name = engine.spec_config.model
-    dtype = engine.model.dtype
-    quantization = engine.spec_config.draft_quantization
-    if quantization is None:  # the target's
-        quantization = engine.args.quantization
+    name, dtype = cfg.model, target.dtype
+    quantization = cfg.draft_quantization if cfg.draft_quantization is not None else target.quantization
     if loaded is None:  # compare tokenizers before paying for the draft's weights
-        check_same_tokenizer(engine.tokenizer, load_tokenizer(name), name)
+        check_same_tokenizer(target.tokenizer, load_tokenizer(name), name)
         # a draft's numerics never reach the output: every tensor in the asked (cheapest) layout
         loaded = load_model(name, dtype=dtype, quantization=quantization, keep_file_precision=False)
-    check_same_tokenizer(engine.tokenizer, loaded.tokenizer, name)
-    model = LlamaForCausalLM(loaded.config, to_device(loaded.weights, engine.args.device, dtype), quantization).eval()
-    cfg, bm = loaded.config, engine.block_manager
-    kv = KVCache(cfg.num_hidden_layers, bm.num_blocks, bm.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                 dtype, engine.args.device)
-    return DraftModelProposer(ModelRunner(model, kv), bm, engine.model_config.vocab_size)
+    check_same_tokenizer(target.tokenizer, loaded.tokenizer, name)
+    model = LlamaForCausalLM(loaded.config, to_device(loaded.weights, target.device, dtype), quantization).eval()
+    c = loaded.config
+    kv = KVCache(c.num_hidden_layers, target.num_blocks, target.block_size, c.num_key_value_heads, c.head_dim,
+                 dtype, target.device)
+    return DraftModelProposer(ModelRunner(model, kv), target.config.vocab_size)
 
 
-def _load_head(engine: "LLMEngine"):
+def _load_head(cfg: SpeculativeConfig, target: TargetInfo):
     from specserve.models.draft_head import load_draft_head
     from specserve.models.quantization import QuantizedTensor
     from specserve.models.registry import resolve_head
 
-    head, _ = load_draft_head(resolve_head(engine.spec_config.model))
-    cfg = engine.model_config
-    if (head.config.hidden_size, head.config.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
-        raise ValueError(f"head {engine.spec_config.model!r} has hidden size {head.config.hidden_size} and vocab "
-                         f"{head.config.vocab_size}; the target has {cfg.hidden_size} and {cfg.vocab_size}")
-    head.to(device=engine.args.device, dtype=engine.model.dtype)
-    lm_head = engine.target_lm_head
+    head, _ = load_draft_head(resolve_head(cfg.model))
+    tc = target.config
+    if (head.config.hidden_size, head.config.vocab_size) != (tc.hidden_size, tc.vocab_size):
+        raise ValueError(f"head {cfg.model!r} has hidden size {head.config.hidden_size} and vocab "
+                         f"{head.config.vocab_size}; the target has {tc.hidden_size} and {tc.vocab_size}")
+    head.to(device=target.device, dtype=target.dtype)
+    lm_head = target.lm_head
     if isinstance(lm_head, QuantizedTensor):  # a head scores with a float copy of the target's head
-        lm_head = lm_head.dequantize().to(engine.model.dtype)
-    head.attach_target(engine.target_embedding, lm_head, keep_full_lm_head=False)
+        lm_head = lm_head.dequantize().to(target.dtype)
+    head.attach_target(target.embedding, lm_head, keep_full_lm_head=False)
     return head
 
 
-def _build_mtp(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+def _build_mtp(cfg: SpeculativeConfig, target: TargetInfo, loaded: "LoadedModel | None") -> Proposer:
     from specserve.spec_decode.mtp import MTPProposer
 
-    return MTPProposer(_load_head(engine), engine.block_manager, engine.model_config.vocab_size, engine.args.device)
+    return MTPProposer(_load_head(cfg, target), target.num_blocks, target.block_size, target.config.vocab_size,
+                       target.device)
 
 
-def _build_eagle(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+def _build_eagle(cfg: SpeculativeConfig, target: TargetInfo, loaded: "LoadedModel | None") -> Proposer:
     from specserve.spec_decode.eagle import EagleProposer
 
-    cfg = engine.spec_config
-    return EagleProposer(_load_head(engine), engine.block_manager, engine.model_config.vocab_size,
-                         engine.args.device, tree=cfg.token_tree(), depth=cfg.num_speculative_tokens,
+    return EagleProposer(_load_head(cfg, target), target.num_blocks, target.block_size, target.config.vocab_size,
+                         target.device, tree=cfg.token_tree(), depth=cfg.num_speculative_tokens,
                          topk=cfg.eagle_topk, num_draft_tokens=cfg.num_draft_tokens)
 
 
-def _build_ngram(engine: "LLMEngine", loaded: "LoadedModel | None") -> Proposer:
+def _build_ngram(cfg: SpeculativeConfig, target: TargetInfo, loaded: "LoadedModel | None") -> Proposer:
     from specserve.spec_decode.ngram import NgramProposer
 
-    cfg = engine.spec_config
     return NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
 
 
-PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[["LLMEngine", "LoadedModel | None"], Proposer]] = {
+PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[[SpeculativeConfig, TargetInfo, "LoadedModel | None"], Proposer]] = {
     SpeculativeMethod.DRAFT_MODEL: _build_draft_model,
     SpeculativeMethod.MTP: _build_mtp,
     SpeculativeMethod.EAGLE: _build_eagle,
@@ -94,9 +113,15 @@ PROPOSER_BUILDERS: dict[SpeculativeMethod, Callable[["LLMEngine", "LoadedModel |
 }
 
 
-def build_proposer(engine: "LLMEngine", loaded_draft: "LoadedModel | None" = None) -> Proposer:
-    """The proposer of ``engine.spec_config.method``."""
-    return PROPOSER_BUILDERS[SpeculativeMethod(engine.spec_config.method)](engine, loaded_draft)
+def build_proposer(cfg: SpeculativeConfig, target: TargetInfo, loaded_draft: "LoadedModel | None" = None) -> Proposer:
+    """The proposer of ``cfg.method`` for ``target`` (``loaded_draft``: an already loaded draft model).
+
+    Raises:
+        ValueError / ModelNotFoundError: a draft or head that does not fit the target, or that
+            does not exist, named.
+    """
+    return PROPOSER_BUILDERS[SpeculativeMethod(cfg.method)](cfg, target, loaded_draft)
 
 
-__all__ = ["DraftProposal", "Proposer", "build_proposer", "check_same_tokenizer", "PROPOSER_BUILDERS"]
+__all__ = ["DraftProposal", "TreeProposal", "Proposer", "TargetInfo", "build_proposer", "check_same_tokenizer",
+           "PROPOSER_BUILDERS"]

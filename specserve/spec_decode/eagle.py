@@ -14,30 +14,27 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.request import Request
-from specserve.kv_cache.block_manager import BlockManager
 from specserve.models.draft_head import DraftHead
+from specserve.sample.sampler import SamplingMetadata
 from specserve.spec_decode.mtp import MTPProposer
-from specserve.spec_decode.tree import (DraftTree, ExpandItem, TreeSpec, build_dynamic_trees,
-                                        build_static_trees)
+from specserve.spec_decode.proposer import DraftProposal, TreeProposal
+from specserve.spec_decode.tree import ExpandItem, TreeSpec, build_dynamic_trees, build_static_trees
+from specserve.worker.step import StepBatch
 
 
 class EagleProposer(MTPProposer):
     """Args:
-        head, block_manager, target_vocab_size, device: as :class:`MTPProposer`.
+        head, num_blocks, block_size, target_vocab_size, device: as :class:`MTPProposer`.
         tree: a static shape, or None for EAGLE-2 dynamic trees.
         depth: dynamic trees: levels grown (static: the shape's depth).
         topk: dynamic trees: children per expanded node and nodes expanded per level.
         num_draft_tokens: dynamic trees: nodes kept (static: the shape's size).
     """
 
-    proposes_trees = True
-    supports_sync_free = False
-
-    def __init__(self, head: DraftHead, block_manager: BlockManager, target_vocab_size: int,
+    def __init__(self, head: DraftHead, num_blocks: int, block_size: int, target_vocab_size: int,
                  device: torch.device | str = "cpu", tree: TreeSpec | None = None, depth: int = 4,
                  topk: int = 4, num_draft_tokens: int = 12):
-        super().__init__(head, block_manager, target_vocab_size, device)
+        super().__init__(head, num_blocks, block_size, target_vocab_size, device)
         self.tree = tree
         self.depth = tree.depth if tree is not None else depth
         self.topk = topk
@@ -46,27 +43,31 @@ class EagleProposer(MTPProposer):
     def num_lookahead_tokens(self, k: int) -> int:
         return self.max_tree_nodes + 1   # the target writes the root and every node
 
-    def propose_trees(self, reqs: list[Request], depth_limits: list[int]) -> list[DraftTree]:
-        """One draft tree per request, at most ``depth_limits[b]`` levels deep (0: the root alone).
+    def propose_on_device(self, batch: StepBatch, num_draft_tokens: list[int],
+                          md: SamplingMetadata) -> DraftProposal | None:
+        return None   # trees are built on the host
 
-        Node order is breadth-first; a tree's nodes take the cache slots after its root's."""
-        roots = [r.all_token_ids[-1] for r in reqs]
-        states = [self._state(r) for r in reqs]
+    def propose(self, batch: StepBatch, num_draft_tokens: list[int]) -> TreeProposal:
+        """One draft tree per sequence, at most ``num_draft_tokens[b]`` levels deep (0: the root
+        alone). Node order is breadth-first; a tree's nodes take the cache slots after its root's."""
+        depth_limits = num_draft_tokens
+        roots = [toks[-1] for toks in batch.token_ids]
+        states = [self._state(seq_id) for seq_id in batch.seq_ids]
         vocab = self.vocab_size
         root_lp = torch.stack([torch.log_softmax(st.logits.float(), -1) if st.logits is not None
                                else torch.full((vocab,), float("-inf")) for st in states])
         limits = [d if st.logits is not None else 0 for d, st in zip(depth_limits, states)]
         features = {(b, 0): st.last_hidden for b, st in enumerate(states)}
-        depth_of = {(b, 0): 0 for b in range(len(reqs))}
+        depth_of = {(b, 0): 0 for b in range(len(batch))}
         parent_of: dict[tuple[int, int], int] = {}
-        written: list[list[int]] = [[] for _ in reqs]     # head rows in the scratch block, in order
+        written: list[list[int]] = [[] for _ in range(len(batch))]     # head rows in the scratch block, in order
 
         def expand(items: list[ExpandItem]) -> torch.Tensor:
             order = sorted(range(len(items)), key=lambda j: items[j].seq)   # rows grouped by sequence
             by_seq: dict[int, list[ExpandItem]] = {}
             for j in order:
                 by_seq.setdefault(items[j].seq, []).append(items[j])
-            hidden, tokens, positions, masks, starts, lens, seq_reqs = [], [], [], [], [], [], []
+            hidden, tokens, positions, masks, starts, lens, tables = [], [], [], [], [], [], []
             for b, group in by_seq.items():
                 block = written[b]
                 new = [it.node for it in group]
@@ -82,13 +83,13 @@ class EagleProposer(MTPProposer):
                         node = parent_of[(b, node)]
                     hidden.append(features[(b, it.parent)])
                     tokens.append(it.token)
-                    positions.append(reqs[b].num_tokens - 2 + depth_of[key])
+                    positions.append(batch.num_tokens(b) - 2 + depth_of[key])
                 masks.append(mask)
-                starts.append(reqs[b].num_tokens - 1 + len(block))
+                starts.append(batch.num_tokens(b) - 1 + len(block))
                 lens.append(len(new))
-                seq_reqs.append(reqs[b])
+                tables.append(batch.block_tables[b])
                 written[b] = block + new
-            out = self._run(torch.stack(hidden), tokens, seq_reqs, starts, lens, positions, masks)
+            out = self._run(torch.stack(hidden), tokens, tables, starts, lens, positions, masks)
             row = 0
             for b, group in by_seq.items():
                 for it in group:
@@ -100,5 +101,6 @@ class EagleProposer(MTPProposer):
             return logprobs[back]
 
         if self.tree is not None:
-            return build_static_trees(roots, root_lp, self.tree, expand, limits)
-        return build_dynamic_trees(roots, root_lp, self.depth, self.topk, self.max_tree_nodes, expand, limits)
+            return TreeProposal(build_static_trees(roots, root_lp, self.tree, expand, limits))
+        return TreeProposal(build_dynamic_trees(roots, root_lp, self.depth, self.topk, self.max_tree_nodes,
+                                                expand, limits))

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.request import Request
 from specserve.spec_decode.proposer import DraftProposal, Proposer
+from specserve.worker.step import StepBatch
 
 
 def find_ngram_continuation(token_ids: list[int] | torch.Tensor, max_ngram: int, min_ngram: int,
@@ -59,28 +59,28 @@ class NgramProposer(Proposer):
     def steady_catch_up(self, k: int) -> int:
         return 0
 
-    def num_computed_tokens(self, req: Request) -> int:
-        return req.num_tokens
+    def num_computed_tokens(self, seq_id: int) -> int:
+        return 1 << 62   # no state: always caught up
 
-    def max_num_draft_tokens(self, req: Request) -> int:
-        return req.num_tokens   # the engine clips to max_tokens / max_model_len
+    def max_num_draft_tokens(self, batch: StepBatch, b: int) -> int:
+        return batch.num_tokens(b)   # the worker clips to max_tokens / max_model_len
 
-    def propose(self, reqs: list[Request], num_draft_tokens: list[int]) -> DraftProposal:
-        drafts = [find_ngram_continuation(r.all_token_ids, self.prompt_lookup_max, self.prompt_lookup_min, k)
-                  for r, k in zip(reqs, num_draft_tokens)]
+    def propose(self, batch: StepBatch, num_draft_tokens: list[int]) -> DraftProposal:
+        drafts = [find_ngram_continuation(toks, self.prompt_lookup_max, self.prompt_lookup_min, k) if k else []
+                  for toks, k in zip(batch.token_ids, num_draft_tokens)]
         k = max((len(d) for d in drafts), default=0)
-        draft_ids = torch.zeros(len(reqs), k, dtype=torch.int64)
+        draft_ids = torch.zeros(len(batch), k, dtype=torch.int64)
         for i, d in enumerate(drafts):
             if d:
                 draft_ids[i, :len(d)] = torch.tensor(d, dtype=torch.int64)
         # lookup is deterministic: each draft's distribution is one-hot, left implicit
         return DraftProposal(draft_ids, None, [len(d) for d in drafts])
 
-    def on_verified(self, req: Request, num_accepted: int) -> None:
+    def on_verified(self, seq_id: int, first_position: int, num_accepted: int, refilled: bool = False) -> None:
         pass
 
-    def catch_up(self, reqs: list[Request]) -> int:
+    def catch_up(self, batch: StepBatch) -> int:
         return 0
 
-    def reset(self, req: Request) -> None:
+    def reset(self, seq_id: int) -> None:
         pass

@@ -1,10 +1,14 @@
-"""The interface every speculation method implements for the engine's step loop.
+"""The interface every speculation method implements for the speculative worker.
 
-A proposer keeps whatever per-sequence state it needs (a draft KV cache, carried logits) and is
-driven by the engine at three points of a speculative step: ``catch_up`` first, so its state
-covers every token of the decode batch (after a prefill, after steps that did not speculate, after
-the last verification), then ``propose``, and ``on_verified`` after acceptance. Steps that do not
-speculate never call it, so a proposer costs nothing while speculation is off.
+A proposer keeps whatever per-sequence state it needs (a draft KV cache, carried logits), keyed by
+``seq_id``, and sees sequences only as rows of a :class:`~specserve.worker.step.StepBatch`. The
+speculative worker (:mod:`specserve.spec_decode.worker`) drives it at three points of a
+speculative step: :meth:`Proposer.catch_up` first, so its state covers every token of the decode
+batch (after a prefill, after steps that did not speculate, after the last verification), then
+:meth:`Proposer.propose` (drafts as chains or trees), and :meth:`Proposer.on_verified` once the
+target accepted some. Steps that do not speculate never call it, so a proposer costs nothing while
+speculation is off. Adding a method is one proposer module and an entry in
+:data:`specserve.spec_decode.PROPOSER_BUILDERS`.
 """
 from __future__ import annotations
 
@@ -13,35 +17,42 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.request import Request, sampling_metadata
-from specserve.sample.sampler import compute_probs, draw
+from specserve.sample.sampler import SamplingMetadata, compute_probs, draw
+from specserve.spec_decode.tree import DraftTree
+from specserve.worker.step import StepBatch
 
 
 @dataclass
 class DraftProposal:
-    """``draft_token_ids [B, K]`` int64 (row b uses its first ``num_draft_tokens[b]``; padding 0) and
-    ``draft_probs [B, K, V]`` float32, the distribution each draft token was drawn from, over the
-    target's vocabulary (the rejection sampler divides by it), or None when every draft token was
-    chosen deterministically (its distribution is one-hot: n-gram lookup)."""
+    """Chains: ``draft_token_ids [B, K]`` int64 (row b uses its first ``num_draft_tokens[b]``;
+    padding 0) and ``draft_probs [B, K, V]`` float32, the distribution each draft token was drawn
+    from, over the target's vocabulary (the rejection sampler divides by it), or None when every
+    draft token was chosen deterministically (its distribution is one-hot: n-gram lookup)."""
 
     draft_token_ids: torch.Tensor
     draft_probs: torch.Tensor | None
     num_draft_tokens: list[int]
 
 
+@dataclass
+class TreeProposal:
+    """Trees: one :class:`~specserve.spec_decode.tree.DraftTree` per sequence (root = its newest
+    token; a tree of the root alone drafts nothing)."""
+
+    trees: list[DraftTree]
+
+
 class Proposer(ABC):
     """Proposes draft tokens for sequences whose prompt is fully computed.
 
-    Class attributes: ``uses_target_hidden_states`` (the engine calls
+    Class attributes: ``uses_target_hidden_states`` (the worker calls
     :meth:`observe_target_hidden_states` after every target forward) and ``cheap_catch_up``
-    (catching up over a whole prompt costs little, so the engine lets the proposer follow every
+    (catching up over a whole prompt costs little, so the worker lets the proposer follow every
     prompt and never leaves a sequence behind).
     """
 
     uses_target_hidden_states: bool = False
     cheap_catch_up: bool = False
-    proposes_trees: bool = False   # True: the engine calls propose_trees and verifies a tree
-    supports_sync_free: bool = False   # True: the engine may run its sync-free chain step (MTP)
 
     def num_lookahead_tokens(self, k: int) -> int:
         """Cache slots a speculative step with k drafts may write past the newest token's: the
@@ -53,34 +64,52 @@ class Proposer(ABC):
         backlog, and the step's time is not k's cost): the bonus/recovered token and the last draft."""
         return 2
 
-    def observe_target_hidden_states(self, req: Request, first_position: int, hidden: torch.Tensor) -> None:
-        """The target computed ``req``'s positions ``first_position ...``: their final hidden
-        states ``hidden [n, H]`` (only called when ``uses_target_hidden_states``)."""
+    def observe_target_hidden_states(self, seq_id: int, first_position: int, hidden: torch.Tensor) -> None:
+        """The target computed positions ``first_position ...`` of sequence ``seq_id``: their final
+        hidden states ``hidden [n, H]`` (only called when ``uses_target_hidden_states``)."""
 
     @abstractmethod
-    def num_computed_tokens(self, req: Request) -> int:
-        """Tokens of ``req`` the proposer has processed (its state covers them)."""
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence the proposer has processed (its state covers them)."""
 
     @abstractmethod
-    def max_num_draft_tokens(self, req: Request) -> int:
-        """How many draft tokens this proposer can make for ``req`` now (0 = cannot speculate)."""
+    def max_num_draft_tokens(self, batch: StepBatch, b: int) -> int:
+        """How many draft tokens this proposer can make for sequence b now (0 = cannot speculate)."""
 
     @abstractmethod
-    def propose(self, reqs: list[Request], num_draft_tokens: list[int]) -> DraftProposal:
-        """Draft ``num_draft_tokens[b]`` tokens after each request's newest token."""
+    def catch_up(self, batch: StepBatch) -> int:
+        """Bring per-sequence state up to date with every computed token of each sequence of
+        ``batch`` (a decoding sequence: its newest token too). Returns the most tokens caught up
+        for one sequence (0: nothing to do)."""
 
     @abstractmethod
-    def on_verified(self, req: Request, num_accepted: int) -> None:
-        """The target kept ``num_accepted`` of the drafts proposed for ``req`` this step."""
+    def propose(self, batch: StepBatch, num_draft_tokens: list[int]) -> DraftProposal | TreeProposal:
+        """Draft up to ``num_draft_tokens[b]`` tokens (a tree: levels) after sequence b's newest token."""
+
+    def propose_on_device(self, batch: StepBatch, num_draft_tokens: list[int],
+                          md: SamplingMetadata) -> DraftProposal | None:
+        """Chains drafted without reading anything back to the host, for the sync-free step: every
+        row drafts ``max(num_draft_tokens)`` tokens with the sampling settings ``md`` (one row per
+        sequence; no penalties). None (the default): this proposer cannot, this step."""
+        return None
+
+    def refill(self, batch: StepBatch, target_hidden: torch.Tensor, next_token_ids: torch.Tensor,
+               query_lens: list[int], num_accepted: torch.Tensor) -> None:
+        """Sync-free step only, right after verification and before the host knows what was
+        accepted: rebuild the proposer's state from the target's hidden states ``[T, H]`` of the
+        verified rows (``query_lens[b]`` per sequence: newest token, then drafts) and the tokens
+        that follow them ``[T]`` (accepted drafts, recovered or bonus token, then padding);
+        ``num_accepted [B]`` on the device."""
+        raise NotImplementedError(f"{type(self).__name__} has no sync-free step")
 
     @abstractmethod
-    def catch_up(self, reqs: list[Request]) -> int:
-        """Bring per-sequence state up to date with all of each request's tokens (newest included).
-        Returns the most tokens caught up for one sequence (0: nothing to do)."""
+    def on_verified(self, seq_id: int, first_position: int, num_accepted: int, refilled: bool = False) -> None:
+        """The target kept ``num_accepted`` of the drafts proposed after the newest token at
+        ``first_position``; ``refilled``: :meth:`refill` already ran for this step."""
 
     @abstractmethod
-    def reset(self, req: Request) -> None:
-        """Forget ``req``'s state (it finished, was aborted or preempted)."""
+    def reset(self, seq_id: int) -> None:
+        """Forget the sequence's state (it finished, was aborted or preempted)."""
 
 
 
@@ -92,39 +121,40 @@ class ChainProposer(Proposer):
     vocab_size: int
 
     @abstractmethod
-    def _carried_logits(self, req: Request) -> torch.Tensor:
-        """``[V]`` logits of ``req``'s first draft token, left by the last catch-up."""
+    def _carried_logits(self, seq_id: int) -> torch.Tensor:
+        """``[V]`` logits of the sequence's first draft token, left by the last catch-up."""
 
     @abstractmethod
-    def _next_logits(self, reqs: list[Request], active: list[int], histories: list[list[int]], j: int) -> torch.Tensor:
-        """``[len(active), V]`` logits of draft j (j >= 1) of ``reqs[i]`` for i in ``active``, whose
-        ``histories[i][-1]`` is draft j-1."""
+    def _next_logits(self, batch: StepBatch, active: list[int], histories: list[list[int]], j: int) -> torch.Tensor:
+        """``[len(active), V]`` logits of draft j (j >= 1) of sequence b for b in ``active``, whose
+        ``histories[b][-1]`` is draft j-1."""
 
-    def _start_chain(self, reqs: list[Request]) -> None:
+    def _start_chain(self, batch: StepBatch) -> None:
         """Called once before a chain is drafted."""
 
-    def propose(self, reqs: list[Request], num_draft_tokens: list[int]) -> DraftProposal:
-        b, k = len(reqs), max(num_draft_tokens, default=0)
+    def propose(self, batch: StepBatch, num_draft_tokens: list[int]) -> DraftProposal:
+        b, k = len(batch), max(num_draft_tokens, default=0)
         draft_ids = torch.zeros(b, k, dtype=torch.int64)
         draft_probs = torch.zeros(b, k, self.vocab_size, dtype=torch.float32)
-        histories = [list(r.output_token_ids) for r in reqs]
-        self._start_chain(reqs)
+        histories = [list(out) for out in batch.output_token_ids]
+        self._start_chain(batch)
         for j in range(k):
             active = [i for i in range(b) if num_draft_tokens[i] > j]
             if j == 0:
-                logits = torch.stack([self._carried_logits(reqs[i]) for i in active])
+                logits = torch.stack([self._carried_logits(batch.seq_ids[i]) for i in active])
             else:
-                logits = self._next_logits(reqs, active, histories, j)
-            draw_draft_tokens(logits, reqs, histories, active, j, draft_ids, draft_probs)
+                logits = self._next_logits(batch, active, histories, j)
+            draw_draft_tokens(logits, batch, histories, active, j, draft_ids, draft_probs)
         return DraftProposal(draft_ids, draft_probs, list(num_draft_tokens))
 
-def draw_draft_tokens(logits: torch.Tensor, reqs: list[Request], histories: list[list[int]], active: list[int],
+
+def draw_draft_tokens(logits: torch.Tensor, batch: StepBatch, histories: list[list[int]], active: list[int],
                       j: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor) -> None:
     """Draw draft token j of the ``active`` rows from their draft logits ``[A, V]`` with each
-    request's own sampling parameters (drafts so far count as output for penalties): fills
+    sequence's own sampling parameters (drafts so far count as output for penalties): fills
     ``draft_ids[active, j]`` and ``draft_probs[active, j]`` (the distribution drawn from) and
     appends the tokens to ``histories``."""
-    md = sampling_metadata([reqs[i] for i in active], [histories[i] for i in active])
+    md = batch.sampling_metadata(active, [histories[i] for i in active])
     q = compute_probs(logits, md)                     # [A, V]
     tokens = draw(q, md.is_greedy, md.generators)   # [A]
     rows = torch.tensor(active, dtype=torch.int64)

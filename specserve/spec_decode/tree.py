@@ -4,7 +4,8 @@ A draft tree holds the sequence's newest token as its root (node 0) and draft to
 breadth-first order (a node's parent always comes before it). The target verifies every node in
 one forward: node i sits at position ``context_len + depth(i)`` and attends to the whole context
 plus its own ancestors (:func:`tree_attention_mask`); the mask covers the draft block only, so the
-context stays plainly causal (../shared/SEED.md section 4). The target's distribution at node i is
+context stays plainly causal (SpecInfer, Miao et al. 2024, section 4: tree-based parallel
+decoding). The target's distribution at node i is
 that of the token after the path root..i.
 
 Two ways to shape a tree:

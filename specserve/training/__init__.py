@@ -1,1 +1,2 @@
-"""Training EAGLE / MTP draft heads on hidden states the target precomputes (SEED section 6)."""
+"""Training EAGLE / MTP draft heads on hidden states the target precomputes through the inference
+engine's own model runner."""

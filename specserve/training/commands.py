@@ -11,7 +11,9 @@ import argparse
 import json
 from pathlib import Path
 
-from specserve.engine.engine import DEFAULT_MODEL
+from specserve.config import DEFAULT_MODEL, DTYPES
+from specserve.entrypoints.args import engine_args
+from specserve.models.quantization import QUANTIZATIONS
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
 from specserve.training.trainer import TrainConfig
 
@@ -45,8 +47,11 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="the head's folder (default: heads/<target>-<variant>)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per precomputed segment")
     p.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the target's dtype for precomputation")
+    p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
+                   help="the target's linears while precomputing hidden states: train on the target as it "
+                        "is served (default: %(default)s)")
     d = TrainConfig()
     for name, typ, help_ in TRAIN_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
@@ -111,11 +116,12 @@ def run_train_head(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         complete = False
     if not complete:
-        llm = LLM(args.target, dtype=args.dtype)
+        llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None))
         mc = llm.llm_engine.model_config
         docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens,
                                  cache_dir=data_dir)
-        settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k)
+        settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k,
+                                     quantization=args.quantization)
         precompute_hidden_states(llm.llm_engine, docs, data_dir, settings,
                                  total_tokens=sum(len(ids) for _, ids in docs))
         del llm

@@ -1,5 +1,5 @@
-"""Evaluate a trained head through the inference engine's own speculative path (SEED section 6:
-validation through the real inference implementations of target and draft).
+"""Evaluate a trained head through the inference engine's own speculative path (validated
+through the real inference implementations of target and draft, not a training-time imitation).
 
 Greedy generation on held-out prompts with ``method="mtp"`` and a fixed k gives, from the
 engine's own counters: the acceptance length (tokens per target forward, bonus included), the

@@ -1,6 +1,6 @@
 """Precompute the target's hidden states and next-token distributions for head training.
 
-The target runs through the engine's own :class:`~specserve.engine.runner.ModelRunner` (the code
+The target runs through the engine's own :class:`~specserve.worker.model_runner.ModelRunner` (the code
 the server runs, paged KV cache included), so a head is trained on exactly the features it will
 see at inference. Each document is cut into segments of at most ``seq_len`` tokens, each run
 from position 0. Per token we store:
@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
-from specserve.engine.runner import ModelInput
+from specserve.worker.model_runner import ModelInput
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -48,6 +48,7 @@ class PrecomputeSettings:
     seq_len: int = 1024
     top_k: int = 20
     shard_tokens: int = 65536
+    quantization: str = "none"   # the target's, as served: hidden states of another differ
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "top_k", "shard_tokens"):
@@ -57,8 +58,11 @@ class PrecomputeSettings:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
 
     def as_dict(self) -> dict:
-        return {"target": self.target, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
-                "seq_len": self.seq_len, "top_k": self.top_k}
+        d = {"target": self.target, "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+             "seq_len": self.seq_len, "top_k": self.top_k}
+        if self.quantization != "none":   # folders made before the field existed stay valid
+            d["quantization"] = self.quantization
+        return d
 
 
 def read_manifest(data_dir: str | Path) -> dict:

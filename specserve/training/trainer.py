@@ -1,4 +1,4 @@
-"""Train a draft head on precomputed target hidden states (SEED section 6; EAGLE's objective).
+"""Train a draft head on precomputed target hidden states (EAGLE's objective).
 
 Loss per predicted position (Li et al. 2024, "EAGLE", section 4.2):
 

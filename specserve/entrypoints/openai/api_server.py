@@ -500,8 +500,8 @@ def run_server(args) -> int:
     """
     import uvicorn
 
-    from specserve.engine.engine import EngineArgs, LLMEngine
-    from specserve.entrypoints.cli import engine_kwargs
+    from specserve.engine.engine import LLMEngine
+    from specserve.entrypoints.args import engine_args
 
     if args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
@@ -509,7 +509,7 @@ def run_server(args) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineArgs(**engine_kwargs(args)))
+    engine = LLMEngine(engine_args(args))
     state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len)
     logger.info("serving %s (max_model_len %d, speculation %s) on http://%s:%d", state.served_model_name,
                 engine.max_model_len, engine.spec_config or "off", args.host, args.port)

@@ -59,7 +59,12 @@ class ModelRunner:
                                       [x.context_len for x in inputs], [len(x.token_ids) for x in inputs], tree_masks)
         return ForwardOutput(hidden, last_rows)
 
-    def forward_tensors(self, input_ids: torch.Tensor, positions: list[int], block_tables: list[list[int]],
+    def forward_batch(self, batch) -> torch.Tensor:
+        """Every new token of a :class:`~specserve.worker.step.StepBatch`: hidden states ``[T, H]``."""
+        return self.forward_tensors(batch.input_ids, batch.positions, batch.block_tables, batch.context_lens,
+                                    batch.query_lens)
+
+    def forward_tensors(self, input_ids: torch.Tensor, positions: list[int] | torch.Tensor, block_tables: list[list[int]],
                         context_lens: list[int], query_lens: list[int],
                         tree_masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:
         """Like :meth:`forward` with the new tokens already a device tensor ``input_ids [T]``
@@ -67,7 +72,7 @@ class ModelRunner:
         reading them: positions, block tables and lengths. Returns hidden states ``[T, H]``."""
         md = AttentionMetadata.build(block_tables, context_lens, query_lens, self.kv_cache.block_size,
                                      tree_masks, self.device)
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.as_tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model(input_ids.to(self.device), pos, md, (self.kv_cache.key_cache, self.kv_cache.value_cache))
 
     def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:

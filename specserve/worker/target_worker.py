@@ -1,0 +1,76 @@
+"""The target worker: the target model, its KV cache and the sampler, run over a StepBatch.
+
+One forward over every new token of the batch (prefill chunks and decode tokens alike), then one
+sampled token for each sequence the step brings to its last token. The speculative worker
+(:mod:`specserve.spec_decode.worker`) wraps it and uses its pieces for verification.
+"""
+from __future__ import annotations
+
+import torch
+
+from specserve.kv_cache.kv_cache import KVCache
+from specserve.models.llama import LlamaForCausalLM
+from specserve.sample.sampler import Sampler, SamplerOutput
+from specserve.worker.model_runner import ModelRunner
+from specserve.worker.step import LogprobEntry, StepBatch, StepResult
+
+
+def logprob_entries(out: SamplerOutput, rows: list[list[int]], params: list) -> list[list[LogprobEntry] | None] | None:
+    """Per sequence b, the logprob entries of its emitted tokens, which were chosen at rows
+    ``rows[b]`` of ``out`` (a :class:`SamplerOutput`); None for a sequence that asked for none
+    (``params[b].logprobs is None``) and for the whole batch when no logprobs were computed."""
+    if out.logprobs is None:
+        return None
+    lps = out.logprobs.tolist()
+    top = (out.top_logprobs[0].tolist(), out.top_logprobs[1].tolist()) if out.top_logprobs is not None else None
+    entries: list[list[LogprobEntry] | None] = []
+    for r, p in zip(rows, params):
+        k = p.logprobs
+        if k is None:
+            entries.append(None)
+            continue
+        entries.append([(lps[row], dict(zip(top[0][row][:k], top[1][row][:k])) if top is not None and k > 0 else {})
+                        for row in r])
+    return entries
+
+
+class TargetWorker:
+    """Args:
+        model: the target decoder.
+        kv_cache: its paged K/V tensors (pages addressed by the engine's block tables).
+    """
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache):
+        self.runner = ModelRunner(model, kv_cache)
+        self.sampler = Sampler()
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def num_lookahead_tokens(self) -> int:
+        """Cache slots past the newest token a step may write (none: no drafts)."""
+        return 0
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        """One forward over the batch's new tokens; one token sampled per sequence that reaches its end."""
+        hidden = self.runner.forward_batch(batch)
+        cu = batch.cu_query_lens
+        hidden_rows = [range(cu[b], cu[b + 1]) for b in range(len(batch))]
+        sampling = [b for b in range(len(batch)) if batch.samples(b)]
+        new_tokens: list[list[int]] = [[] for _ in range(len(batch))]
+        logprobs = None
+        if sampling:
+            logits = self.runner.compute_logits(hidden, [cu[b + 1] - 1 for b in sampling])   # [S, V]
+            out = self.sampler(logits, batch.sampling_metadata(sampling, device=self.device))
+            for b, t in zip(sampling, out.sampled_token_ids.tolist()):
+                new_tokens[b] = [t]
+            rows: list[list[int]] = [[] for _ in range(len(batch))]
+            for i, b in enumerate(sampling):
+                rows[b] = [i]
+            logprobs = logprob_entries(out, rows, batch.params)
+        return StepResult(new_tokens, list(batch.query_lens), logprobs, hidden_states=hidden,
+                          hidden_rows=hidden_rows)
+
+    def free(self, seq_ids: list[int]) -> None:
+        """Sequences that finished or were preempted (the target keeps no state beyond pages)."""
