@@ -401,3 +401,32 @@ def test_metadata_build():
     assert md.greedy_mask.tolist() == [False, True]
     with pytest.raises(ValueError):
         SamplingMetadata.build(params, [[]], [[], []], [None, None])
+
+
+def test_sampler_greedy_batch_equals_the_argmax_of_compute_probs():
+    """An all-greedy batch skips building the distribution: its tokens must be those of
+    compute_probs' one-hot (penalized logits, lowest id on ties, truncation ignored)."""
+    torch.manual_seed(0)
+    logits = torch.randint(-3, 4, (6, 50)).float()      # many ties
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.7),
+              SamplingParams(temperature=0, frequency_penalty=0.9, presence_penalty=0.5),
+              SamplingParams(temperature=1e-6, top_k=2, min_p=0.5), SamplingParams(temperature=0, top_p=0.1),
+              SamplingParams(temperature=0, repetition_penalty=0.6)]
+    outputs = [[1, 2], [3, 3, 7], [int(logits[2].argmax())] * 3, [], [9], [4, 5]]
+    md = md_for(params, prompts=[[0], [1, 2], [], [5], [], [6]], outputs=outputs)
+    want = compute_probs(logits, md).argmax(dim=-1)     # one-hot rows: argmax is the token
+    assert torch.equal(Sampler()(logits, md).sampled_token_ids, want)
+
+
+def test_argmax_lowest_takes_the_first_of_tied_maxima():
+    """Brute force over rows with many ties at a real vocabulary size, -inf rows and positions."""
+    from specserve.sample.sampler import argmax_lowest
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 3, (5, 151_936), generator=g).float()
+    x[1, 100_000:] = 7.0                       # ties in the upper half only
+    x[2] = float("-inf")                       # all equal
+    x[3, -1] = 9.0                             # the last id alone
+    want = [next(i for i, v in enumerate(r) if v == max(r)) for r in x.tolist()]
+    assert argmax_lowest(x).tolist() == want
+    assert want[1] == 100_000 and want[2] == 0 and want[3] == 151_935

@@ -5,7 +5,8 @@ covers prefill, chunked prefill, decode and recompute after preemption: each ste
 computed tokens catch up with its tokens (prompt + output), within the step's token budget.
 Running requests go first, oldest first; waiting ones are admitted first come, first served.
 When pages run out, the newest running request is preempted: its pages are freed and it is
-recomputed later.
+recomputed later. :meth:`Scheduler.step_batch` hands the choice to the workers as one
+:class:`~specserve.worker.step.StepBatch` (lists only; its flat tensors are made on first use).
 """
 from __future__ import annotations
 
