@@ -19,6 +19,7 @@ catching up over a whole prompt is cheap and the head always follows the target.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -146,7 +147,7 @@ class MTPProposer(ChainProposer):
         if not todo:
             return 0
         out = self._run(torch.cat(rows_h), tokens, tables, starts, lens)
-        last = [sum(lens[:i + 1]) - 1 for i in range(len(lens))]
+        last = [end - 1 for end in itertools.accumulate(lens)]
         logits = self._target_logits(out[last])
         for i, (num_tokens, st, end) in enumerate(todo):
             st.num_computed = end
@@ -203,7 +204,7 @@ class MTPProposer(ChainProposer):
         rejected rows, and no host read). The row of each sequence's last accepted position, chosen
         with ``num_accepted`` on the device, gives the next step's first-draft logits."""
         out = self._run(target_hidden, next_token_ids, batch.block_tables, list(batch.context_lens), query_lens)
-        offsets = torch.tensor([sum(query_lens[:i]) for i in range(len(batch))], dtype=torch.int64)
+        offsets = torch.tensor(list(itertools.accumulate(query_lens[:-1], initial=0)), dtype=torch.int64)
         last = out.index_select(0, offsets.to(out.device) + num_accepted.to(out.device))
         logits = self._target_logits(last)
         for i, seq_id in enumerate(batch.seq_ids):
