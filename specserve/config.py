@@ -231,7 +231,8 @@ class EngineArgs:
 
     Raises:
         ValueError: a bad value, named (dtype, quantization with a non-float32 dtype or a non-CPU
-            device, max_model_len < 2, kv_cache_memory_gb <= 0, a bad speculative_config).
+            device, max_model_len < 2, block_size / max_num_seqs / max_num_batched_tokens /
+            num_blocks < 1, kv_cache_memory_gb <= 0, a bad speculative_config).
     """
 
     model: str = DEFAULT_MODEL
@@ -263,5 +264,11 @@ class EngineArgs:
                                  f"device {self.device!r} has none (use quantization 'none')")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        # checked here, before any weights load, not after
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")

@@ -122,3 +122,16 @@ def test_no_references_outside_the_repository():
         if "../shared" in text or "SEED section" in text or "SEED.md" in text:
             hits.append(str(path.relative_to(ROOT)))
     assert not hits, hits
+
+
+@pytest.mark.parametrize("field,value", [("max_num_seqs", 0), ("block_size", 0), ("max_num_batched_tokens", 0),
+                                         ("num_blocks", 0)])
+def test_engine_limits_are_checked_before_any_weights_load(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be >= 1, got {value}"):
+        EngineArgs(model="not-loaded", **{field: value})
+
+
+def test_num_speculative_tokens_checked_even_without_a_draft():
+    args = build_parser().parse_args(["generate", "--model", "m", "--num-speculative-tokens", "0", "hi"])
+    with pytest.raises(ValueError, match="--num-speculative-tokens must be >= 1, got 0"):
+        engine_args(args)

@@ -71,7 +71,7 @@ class LLMEngine:
             num_blocks = args.num_blocks
         # A lone request must always fit in the pool, or preemption could never make room for it.
         self.max_model_len = min(max_len, num_blocks * args.block_size)
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, max(args.max_num_batched_tokens, 1),
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                 self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size)
         self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,

@@ -103,6 +103,9 @@ def engine_args(args: argparse.Namespace, **overrides) -> EngineArgs:
     Raises:
         ValueError: a bad value, named (see :class:`EngineArgs`).
     """
+    k = getattr(args, "num_speculative_tokens", 1)
+    if k < 1:   # even when no draft is configured: a flag that would be ignored is an error
+        raise ValueError(f"--num-speculative-tokens must be >= 1, got {k}")
     fields = {f.name for f in dataclasses.fields(EngineArgs)} - {"speculative_config", "seed", "device"}
     kwargs = {name: getattr(args, name) for name in fields if hasattr(args, name)}
     if hasattr(args, "no_speculation"):

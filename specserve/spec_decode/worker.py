@@ -70,6 +70,10 @@ class SpeculativeWorker:
 
     # ------------------------------------------------------------------ one step
     def execute(self, batch: StepBatch) -> StepResult:
+        """One step: the draft prefills the sequences it follows, then a decode-only batch
+        speculates with the controller's k (0: a plain step) and any other batch runs the target
+        alone, deciding which prompts the proposer follows. Returns the step's result; the
+        proposer's state already reflects what the target accepted."""
         self._prefill_followed(batch)
         t0 = time.perf_counter()   # the draft's late prefill is its own cost, not the step's
         ctrl = self.controller
