@@ -47,7 +47,7 @@ class SpeculativeWorker:
     def __init__(self, target: TargetWorker, proposer: Proposer, config: SpeculativeConfig):
         self.target = target
         self.proposer = proposer
-        self.num_speculative_tokens = config.num_speculative_tokens
+        self.config = config
         self.controller = AdaptiveSpeculation(config.num_speculative_tokens) if config.adaptive else None
         self._follow: set[int] = set()     # seq ids whose draft prefill runs at the start of the next step
         self._deferred: set[int] = set()   # seq ids whose draft prefill waits for a decode step's estimate
@@ -55,6 +55,11 @@ class SpeculativeWorker:
     @property
     def device(self) -> torch.device:
         return self.target.device
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k (the largest k when adaptive), read from the config at every step."""
+        return self.config.num_speculative_tokens
 
     def num_lookahead_tokens(self) -> int:
         """Cache slots past the newest token a speculative step may write: k drafts and the bonus
