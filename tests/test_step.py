@@ -7,12 +7,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
 
-from specserve.config import EngineArgs
+from specserve.config import EngineArgs, SchedulerConfig
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler
-from specserve.config import SchedulerConfig
 from specserve.entrypoints.args import engine_args
 from specserve.entrypoints.cli import build_parser
 from specserve.kv_cache.block_manager import BlockManager

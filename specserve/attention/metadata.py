@@ -13,6 +13,13 @@ from dataclasses import dataclass
 import torch
 
 
+def slot_ids(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """``[end - start]`` int64 flat cache slots (``page * block_size + offset``) of a sequence's
+    indices ``start .. end - 1`` under its ``block_table``."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    return torch.tensor(block_table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+
+
 @dataclass
 class AttentionMetadata:
     """Attributes:
@@ -72,9 +79,7 @@ class AttentionMetadata:
         for table, ctx, total in zip(block_tables, context_lens, seq_lens):
             if len(table) * block_size < total:
                 raise ValueError(f"block table of {len(table)} pages cannot hold {total} tokens")
-            pages = torch.tensor(table, dtype=torch.int64)
-            pos = torch.arange(total, dtype=torch.int64)
-            slots = pages[pos // block_size] * block_size + pos % block_size  # [total]
+            slots = slot_ids(table, 0, total, block_size)  # [total]
             kv_slot_ids.append(slots.to(device))
             new_slots.append(slots[ctx:])
         width = max((len(t) for t in block_tables), default=0)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from specserve.config import DEFAULT_MODEL, EngineArgs, SchedulerConfig
+from specserve.config import DEFAULT_MODEL, DTYPES, EngineArgs, SchedulerConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler
@@ -32,7 +32,7 @@ from specserve.worker.target_worker import TargetWorker
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 __all__ = ["DEFAULT_MODEL", "EngineArgs", "LLMEngine"]
 
 
@@ -51,7 +51,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
                  loaded_draft: LoadedModel | None = None):
         self.args = args
-        dtype = DTYPES[args.dtype]
+        dtype = TORCH_DTYPES[args.dtype]
         torch.manual_seed(args.seed)
         loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype, quantization=args.quantization)
         self.load_stats = loaded.load_stats

@@ -26,34 +26,11 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
 
-    @property
-    def context_len(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so its logits give the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        start = self.request.num_computed_tokens
-        return self.request.all_token_ids[start:start + self.num_new_tokens]
-
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_decode_only(self) -> bool:
-        """Every request adds exactly its one newest token (speculation may run on such batches)."""
-        return bool(self.scheduled) and all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
 
 
 class Scheduler:

@@ -276,7 +276,7 @@ class SpeculativeWorker:
         verified = torch.cat([num_acc.unsqueeze(1), out], dim=1).tolist()       # the step's one host read
         accepted = [v[0] for v in verified]
         emitted = [v[1:m + 2] for v, m in zip(verified, accepted)]
-        rows = [list(range(s, s + m + 1)) for s, m in zip(starts, accepted)]
+        rows = [range(s, s + m + 1) for s, m in zip(starts, accepted)]   # contiguous: sliced, not indexed
         return StepResult(emitted, [m + 1 for m in accepted], self._logprobs(batch, logits, md, rows, emitted),
                           list(ks), accepted, hidden_states=hidden, hidden_rows=rows)
 

@@ -11,6 +11,7 @@ from functools import cached_property
 
 import torch
 
+from specserve.attention.metadata import slot_ids
 from specserve.sample.sampler import SamplingMetadata
 from specserve.sampling_params import SamplingParams
 
@@ -110,8 +111,7 @@ class StepBatch:
 
     def slot_mapping(self, b: int, start: int, end: int) -> torch.Tensor:
         """``[end - start]`` int64 cache slots of sequence b's indices ``start .. end - 1``."""
-        table, bs = self.block_tables[b], self.block_size
-        return torch.tensor([table[i // bs] * bs + i % bs for i in range(start, end)], dtype=torch.int64)
+        return slot_ids(self.block_tables[b], start, end, self.block_size)
 
     def sampling_metadata(self, rows: list[int] | None = None, output_histories: list[list[int]] | None = None,
                           device: torch.device | str = "cpu") -> SamplingMetadata:

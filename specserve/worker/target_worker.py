@@ -65,10 +65,11 @@ class TargetWorker:
             out = self.sampler(logits, batch.sampling_metadata(sampling, device=self.device))
             for b, t in zip(sampling, out.sampled_token_ids.tolist()):
                 new_tokens[b] = [t]
-            rows: list[list[int]] = [[] for _ in range(len(batch))]
-            for i, b in enumerate(sampling):
-                rows[b] = [i]
-            logprobs = logprob_entries(out, rows, batch.params)
+            if out.logprobs is not None:   # sequence b's token is row i of the sampled rows
+                rows: list[list[int]] = [[] for _ in range(len(batch))]
+                for i, b in enumerate(sampling):
+                    rows[b] = [i]
+                logprobs = logprob_entries(out, rows, batch.params)
         return StepResult(new_tokens, list(batch.query_lens), logprobs, hidden_states=hidden,
                           hidden_rows=hidden_rows)
 
