@@ -319,3 +319,27 @@ def test_engine_deferred_draft_prefill(tiny_qwen2_dir, tmp_path, later):
     assert (ctrl.draft_prefill_s_per_token is not None) == later
     assert not engine.worker._deferred
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_steps_where_nothing_can_draft_are_plain_steps(tiny_qwen2_dir, tmp_path):
+    """After a long k = 0 stretch the draft is too far behind to follow the sequence; a later step
+    where the controller would speculate has nothing to draft: it runs (and is counted) as a plain
+    step, not as a verify step of zero drafts. Output is the target's."""
+    draft = tmp_path / "draft"
+    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
+    prompt = [{"prompt_token_ids": list(range(3, 20))}]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = LLM(tiny_qwen2_dir).generate(prompt, params)
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
+                                                   "num_speculative_tokens": 2})
+    engine = spec.llm_engine
+    ctrl = engine.spec_controller
+    calls = []
+    ctrl.worth_following = lambda *a: True
+    ctrl.choose = lambda batch_size, all_can_draft=True: calls.append(all_can_draft) or (0 if len(calls) <= 20 else 2)
+    out = spec.generate(prompt, params)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    # asked only while the draft keeps up (lag <= 4 (k + 1) tokens): it fell behind inside the k = 0 stretch
+    assert 4 * 3 <= len(calls) < 20 and all(calls)
+    assert engine.spec_stats.num_verify_steps == 0 and engine.spec_stats.num_draft_tokens == 0
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -84,7 +84,12 @@ class SpeculativeWorker:
         ctrl = self.controller
         if batch.is_decode_only:
             eligible = [self._keeps_up(batch, b) for b in range(len(batch))]
-            k = ctrl.choose(len(batch), all(eligible)) if ctrl is not None else self.num_speculative_tokens
+            if not any(eligible):   # nothing can draft: a plain step, counted and timed as one
+                k = 0
+            elif ctrl is not None:
+                k = ctrl.choose(len(batch), all(eligible))
+            else:
+                k = self.num_speculative_tokens
             if k > 0:
                 result, steady = self._speculative_step(batch, eligible, k)
             else:
