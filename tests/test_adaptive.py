@@ -12,6 +12,16 @@ from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from tests.tiny_models import make_layer_skip_draft
 
 
+def reference_and_adaptive_draft(target_dir, tmp_path, prompts, params, k):
+    """The target's own outputs for ``prompts``, and an engine speculating with a noisy 3-layer
+    draft of it under adaptive k <= ``k``."""
+    draft = tmp_path / "draft"
+    make_layer_skip_draft(target_dir, draft, keep_layers=3, noise=0.07)
+    ref = LLM(target_dir).generate(prompts, params)
+    return ref, LLM(target_dir, speculative_config={"method": "draft_model", "model": str(draft),
+                                                    "num_speculative_tokens": k})
+
+
 def step_time(batch: int, k: int, fixed: float, per_token: float, draft_per_token: float) -> float:
     """A CPU-like cost: weights read once per forward (``fixed``), compute per token; k draft forwards."""
     verify = fixed + per_token * batch * (k + 1)
@@ -102,13 +112,9 @@ def test_bad_max_k():
 
 
 def test_engine_greedy_exact_with_adaptive_k(tiny_qwen2_dir, tmp_path):
-    draft = tmp_path / "draft"
-    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 5, 17, 40, 90, 7, 33, 64)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    ref = LLM(tiny_qwen2_dir).generate(prompts, params)
-    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
-                                                   "num_speculative_tokens": 4})
+    ref, spec = reference_and_adaptive_draft(tiny_qwen2_dir, tmp_path, prompts, params, k=4)
     ctrl = spec.llm_engine.spec_controller
     # force exploration of every k on the way: the output may not depend on it
     ctrl.explore_interval, ctrl.explore_margin, ctrl.min_gain = 2, 0.0, 0.0
@@ -256,13 +262,9 @@ def test_hysteresis():
 def test_engine_draft_skips_prompts_speculation_would_not_repay(tiny_qwen2_dir, tmp_path):
     """With k = 0 measured best at batch 1, the draft prefills no prompt and drafts nothing; the
     output is the target's own."""
-    draft = tmp_path / "draft"
-    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = LLM(tiny_qwen2_dir).generate(prompts, params)
-    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
-                                                   "num_speculative_tokens": 2})
+    ref, spec = reference_and_adaptive_draft(tiny_qwen2_dir, tmp_path, prompts, params, k=2)
     ctrl = spec.llm_engine.spec_controller
     for b in (1, 2):
         ctrl.observe_step(b, 0, 1.0 * b)
@@ -295,13 +297,9 @@ def test_engine_deferred_draft_prefill(tiny_qwen2_dir, tmp_path, later):
     should follow, and while the controller cannot tell (None) every later one asks again: on True
     the draft catches up over the prompt and the tokens decoded so far and speculation starts, on
     False it never drafts. Output is the target's."""
-    draft = tmp_path / "draft"
-    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 17)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(tiny_qwen2_dir).generate(prompts, params)
-    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
-                                                   "num_speculative_tokens": 2})
+    ref, spec = reference_and_adaptive_draft(tiny_qwen2_dir, tmp_path, prompts, params, k=2)
     engine = spec.llm_engine
     ctrl = engine.spec_controller
     calls = []
@@ -325,13 +323,9 @@ def test_steps_where_nothing_can_draft_are_plain_steps(tiny_qwen2_dir, tmp_path)
     """After a long k = 0 stretch the draft is too far behind to follow the sequence; a later step
     where the controller would speculate has nothing to draft: it runs (and is counted) as a plain
     step, not as a verify step of zero drafts. Output is the target's."""
-    draft = tmp_path / "draft"
-    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
     prompt = [{"prompt_token_ids": list(range(3, 20))}]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = LLM(tiny_qwen2_dir).generate(prompt, params)
-    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": str(draft),
-                                                   "num_speculative_tokens": 2})
+    ref, spec = reference_and_adaptive_draft(tiny_qwen2_dir, tmp_path, prompt, params, k=2)
     engine = spec.llm_engine
     ctrl = engine.spec_controller
     calls = []
