@@ -127,9 +127,10 @@ class SpeculativeConfig:
             ``"eagle"`` (the same head drafts a tree: static with ``speculative_token_tree``, else
             EAGLE-2's dynamic tree) or ``"ngram"`` (prompt lookup: drafts copied from the
             sequence's earlier tokens; no model).
-        model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id; for ``"mtp"`` a
-            head checkpoint folder for ``"mtp"`` and ``"eagle"`` (see
-            :mod:`specserve.models.draft_head`); unused by ``"ngram"``.
+        model: the draft: a built-in name, HF folder, ``.gguf`` file or hub id; for ``"mtp"`` and
+            ``"eagle"`` a head checkpoint folder or shipped head name (see
+            :mod:`specserve.models.draft_head`; None: the head shipped for the target, filled in by
+            :class:`EngineArgs`); unused by ``"ngram"``.
         num_speculative_tokens: k, draft tokens proposed per step (>= 1); for ``"eagle"`` the tree's
             depth (a static tree sets it to its own depth).
         draft_quantization: the draft model's ``quantization``: ``None`` (the same as the target's),
@@ -180,8 +181,8 @@ class SpeculativeConfig:
             self.num_speculative_tokens = self.token_tree().depth
         if self.method == SpeculativeMethod.NGRAM:
             self.model = None
-        elif not self.model:
-            raise ValueError(f"speculative method {getattr(self.method, 'value', self.method)!r} needs a draft 'model'")
+        elif not self.model and self.method == SpeculativeMethod.DRAFT_MODEL:
+            raise ValueError("speculative method 'draft_model' needs a draft 'model'")
 
     def token_tree(self) -> "TreeSpec | None":
         """The static tree ``speculative_token_tree`` describes (None: dynamic).
@@ -252,6 +253,14 @@ class EngineArgs:
         from specserve.models.quantization import check_quantization
 
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE) and not spec.model:
+            from specserve.models.registry import builtin_heads, shipped_head_for
+
+            spec.model = shipped_head_for(self.model)
+            if spec.model is None:
+                raise ValueError(f"speculative method {getattr(spec.method, 'value', spec.method)!r} needs a draft "
+                                 f"'model': no head ships for target {self.model!r} (shipped: {builtin_heads()})")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self.quantization = check_quantization(self.quantization)

@@ -48,19 +48,17 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def trained_tiny_head(tiny_qwen2_dir, tmp_path_factory):
-    """A normed head trained (~10 s) on the tiny Qwen2 target's own greedy continuations of random
-    prompts, so that tree and chain drafts are really accepted (top-1 about 0.28 against a unigram
-    0.06): acceptance paths, KV moves and the statistical tests get exercised."""
+def tiny_head_data(tiny_qwen2_dir, tmp_path_factory):
+    """Hidden states (final and EAGLE-3's fused layers) of the tiny Qwen2 target over its own greedy
+    continuations of random prompts: what the trained tiny heads learn from."""
     import random
 
     from specserve.entrypoints.llm import LLM
-    from specserve.models.loader import load_model
+    from specserve.models.draft_head import default_aux_layers
     from specserve.sampling_params import SamplingParams
     from specserve.training.hidden_states import PrecomputeSettings, precompute_hidden_states
-    from specserve.training.trainer import TrainConfig, train_head
 
-    root = tmp_path_factory.mktemp("trained_tiny_head")
+    root = tmp_path_factory.mktemp("tiny_head_data")
     llm = LLM(tiny_qwen2_dir)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 290) for _ in range(rng.randrange(4, 20))] for _ in range(128)]
@@ -68,13 +66,37 @@ def trained_tiny_head(tiny_qwen2_dir, tmp_path_factory):
                         SamplingParams(temperature=0, max_tokens=96, ignore_eos=True))
     docs = [(f"greedy{i}", p + list(o.outputs[0].token_ids)) for i, (p, o) in enumerate(zip(prompts, outs))]
     cfg = llm.llm_engine.model_config
-    precompute_hidden_states(llm.llm_engine, docs, root / "hidden",
+    precompute_hidden_states(llm.llm_engine, docs, root,
                              PrecomputeSettings(target="tiny", hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                                seq_len=128, top_k=8), progress=False)
-    loaded = load_model(tiny_qwen2_dir)
+                                                seq_len=128, top_k=8,
+                                                aux_layers=default_aux_layers(cfg.num_hidden_layers)), progress=False)
+    return root
+
+
+def _train_tiny_head(target_dir, data_dir, out_dir, **train_kw) -> str:
+    from specserve.models.loader import load_model
+    from specserve.training.trainer import TrainConfig, train_head
+
+    loaded = load_model(target_dir)
     w = loaded.weights
-    train_head(root / "hidden", root / "head", loaded.config, w["model.embed_tokens.weight"],
+    train_head(data_dir, out_dir, loaded.config, w["model.embed_tokens.weight"],
                w.get("lm_head.weight", w["model.embed_tokens.weight"]),
-               TrainConfig(variant="normed", num_steps=400, batch_size=8, lr=3e-3, warmup_steps=10,
-                           eval_every=10 ** 6, val_fraction=0.1), progress=False)
-    return str(root / "head")
+               TrainConfig(num_steps=400, batch_size=8, lr=3e-3, warmup_steps=10, eval_every=10 ** 6,
+                           val_fraction=0.1, **train_kw), progress=False)
+    return str(out_dir)
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_head(tiny_qwen2_dir, tiny_head_data, tmp_path_factory):
+    """A normed head trained (~10 s) on the tiny Qwen2 target's own greedy continuations of random
+    prompts, so that tree and chain drafts are really accepted (top-1 about 0.28 against a unigram
+    0.06): acceptance paths, KV moves and the statistical tests get exercised."""
+    return _train_tiny_head(tiny_qwen2_dir, tiny_head_data, tmp_path_factory.mktemp("trained_tiny_head") / "head",
+                            variant="normed")
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_eagle3_head(tiny_qwen2_dir, tiny_head_data, tmp_path_factory):
+    """An EAGLE-3 head (fused layers, own lm_head, two unrolled steps) trained on the same data."""
+    return _train_tiny_head(tiny_qwen2_dir, tiny_head_data, tmp_path_factory.mktemp("trained_eagle3") / "head",
+                            variant="eagle3", own_lm_head=True, unroll_steps=2)

@@ -1,5 +1,5 @@
-"""Draft heads: the math against oracles, the two attention paths, checkpoints in EAGLE and
-DeepSeek-MTP layouts."""
+"""Draft heads: the math against oracles, the two attention paths, the training-time test against
+drafting, checkpoints in EAGLE-3, EAGLE and DeepSeek-MTP layouts."""
 from __future__ import annotations
 
 import json
@@ -18,9 +18,13 @@ TARGET = ModelConfig(architecture="qwen2", vocab_size=50, hidden_size=32, interm
                      rope_theta=10000.0, max_position_embeddings=128, attention_bias=True)
 
 
-def make_head(variant: str, draft_vocab: int | None = None, seed: int = 0) -> DraftHead:
+VARIANTS = ["eagle3", "eagle", "normed"]
+
+
+def make_head(variant: str, draft_vocab: int | None = None, seed: int = 0, own_lm_head: bool = False) -> DraftHead:
     torch.manual_seed(seed)
-    head = DraftHead(DraftHeadConfig.for_target(TARGET, variant, intermediate_size=40, draft_vocab_size=draft_vocab))
+    head = DraftHead(DraftHeadConfig.for_target(TARGET, variant, intermediate_size=40, draft_vocab_size=draft_vocab,
+                                                own_lm_head=own_lm_head))
     with torch.no_grad():
         for p in head.parameters():
             p.normal_(mean=1.0 if p.ndim == 1 and p.shape[0] == TARGET.hidden_size else 0.0, std=0.2)
@@ -30,6 +34,11 @@ def make_head(variant: str, draft_vocab: int | None = None, seed: int = 0) -> Dr
     head.attach_target(torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=g),
                        torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=g))
     return head
+
+
+def feature_width(head: DraftHead) -> int:
+    """Width of the target features the head reads (eagle3: the fused layers)."""
+    return head.config.hidden_size * (head.config.num_aux_layers if head.variant == "eagle3" else 1)
 
 
 def reference_forward(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor):
@@ -45,10 +54,14 @@ def reference_forward(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, 
         return y + sd[name + ".bias"] if bias else y
 
     e, h = head.embed_weight.double()[ids], hidden.double()
-    if cfg.variant == "normed":
-        e, h = norm(e, sd["enorm.weight"]), norm(h, sd["hnorm.weight"])
-    x = lin(torch.cat([e, h], -1), "eh_proj", bias=cfg.variant == "eagle")
-    a = norm(x, sd["input_layernorm.weight"]) if cfg.variant == "normed" else x
+    if cfg.variant == "eagle3":   # fused layers -> fc; attention reads [norm(embed), norm(h)], residual h
+        x = lin(h, "fc") if h.shape[-1] != cfg.hidden_size else h
+        a = torch.cat([norm(e, sd["input_layernorm.weight"]), norm(x, sd["hidden_norm.weight"])], -1)
+    else:
+        if cfg.variant == "normed":
+            e, h = norm(e, sd["enorm.weight"]), norm(h, sd["hnorm.weight"])
+        x = lin(torch.cat([e, h], -1), "eh_proj", bias=cfg.variant == "eagle")
+        a = norm(x, sd["input_layernorm.weight"]) if cfg.variant == "normed" else x
     T, nh, nkv, d = x.shape[0], cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = lin(a, "self_attn.q_proj", cfg.attention_bias).view(T, nh, d)
     k = lin(a, "self_attn.k_proj", cfg.attention_bias).view(T, nkv, d)
@@ -72,11 +85,11 @@ def reference_forward(head: DraftHead, hidden: torch.Tensor, ids: torch.Tensor, 
     return norm(x, sd["shared_head.norm.weight"]) if cfg.variant == "normed" else x
 
 
-@pytest.mark.parametrize("variant", ["eagle", "normed"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_head_matches_float64_reference(variant):
     head = make_head(variant)
     torch.manual_seed(3)
-    hidden = torch.randn(2, 9, TARGET.hidden_size)
+    hidden = torch.randn(2, 9, feature_width(head))
     ids = torch.randint(0, TARGET.vocab_size, (2, 9))
     pos = torch.arange(1, 10).expand(2, 9)
     out = head(hidden, ids, pos)
@@ -114,7 +127,7 @@ def test_normed_head_equals_hf_decoder_layer():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["eagle", "normed"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_paged_inference_path_equals_training_path(variant):
     """Two sequences through the paged KV cache (a prefill chunk, then token by token) give the
     training forward's hidden states."""
@@ -122,7 +135,7 @@ def test_paged_inference_path_equals_training_path(variant):
     cfg = head.config
     torch.manual_seed(5)
     lens = [11, 6]
-    hidden = [torch.randn(n, cfg.hidden_size) for n in lens]
+    hidden = [torch.randn(n, feature_width(head)) for n in lens]
     ids = [torch.randint(0, TARGET.vocab_size, (n,)) for n in lens]
     want = [head(h.unsqueeze(0), i.unsqueeze(0), torch.arange(n).unsqueeze(0))[0] for h, i, n in zip(hidden, ids, lens)]
     block_size, tables = 4, [[0, 1, 2], [3, 4]]
@@ -240,3 +253,135 @@ def test_bad_configs_name_the_value():
     head = make_head("eagle")
     with pytest.raises(ValueError, match="lm_head"):
         head.attach_target(torch.zeros(50, 32), torch.zeros(49, 32))
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_eagle3_logits_and_wide_target_output(own_lm_head):
+    """eagle3 scores ``norm(output)`` with its own lm_head (or the target's draft-vocabulary rows),
+    and reads the target model's wide output (final hidden state first, then the fused layers)
+    as the fused layers alone."""
+    head = make_head("eagle3", draft_vocab=12, own_lm_head=own_lm_head)
+    torch.manual_seed(6)
+    fused = torch.randn(1, 7, feature_width(head))
+    ids, pos = torch.randint(0, TARGET.vocab_size, (1, 7)), torch.arange(7).unsqueeze(0)
+    with torch.no_grad():
+        out = head(fused, ids, pos)
+        wide = head(torch.cat([torch.randn(1, 7, TARGET.hidden_size), fused], -1), ids, pos)
+        logits = head.compute_logits(out)
+    assert torch.equal(wide, out)
+    w = head.lm_head.weight if own_lm_head else head.lm_head_weight
+    x = out.double()
+    want = (x / torch.sqrt((x * x).mean(-1, keepdim=True) + TARGET.rms_norm_eps) * head.norm.weight.double()) @ w.double().T
+    torch.testing.assert_close(logits.double(), want, rtol=1e-4, atol=1e-4)
+    assert logits.shape == (1, 7, 12)
+
+
+def _draft_by_paged_cache(head: DraftHead, features: torch.Tensor, ids: torch.Tensor, anchor: int,
+                          depth: int) -> list[torch.Tensor]:
+    """What drafting computes (the paged inference path): the head's entries for positions
+    0 .. anchor from the target's features, then ``depth`` chain steps, each on the head's own
+    previous output and the next token, at the next position. Returns the chain's outputs."""
+    cfg, bs = head.config, 4
+    kc = torch.zeros(8, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=features.dtype)
+    vc = torch.zeros_like(kc)
+    table = list(range(8))
+    md = AttentionMetadata.build([table], [0], [anchor + 1], bs)
+    out = head(features[:anchor + 1], ids[1:anchor + 2], torch.arange(anchor + 1), PagedKV(kc, vc, md))
+    chain, h = [], out[-1:]
+    for i in range(1, depth + 1):
+        md = AttentionMetadata.build([table], [anchor + i], [1], bs)
+        h = head(h, ids[anchor + 1 + i:anchor + 2 + i], torch.tensor([anchor + i]), PagedKV(kc, vc, md))
+        chain.append(h[0])
+    return chain
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_training_time_test_sees_what_drafting_sees(variant):
+    """EAGLE-3's training-time test: unrolled step j of the training forward (its attention over
+    step 0's keys up to the row and the same row's keys of steps 1 .. j) gives, at every row, the
+    very hidden state the paged cache gives when drafting j tokens after that position (float64:
+    the two paths agree to rounding)."""
+    head = make_head(variant, seed=2).double()
+    torch.manual_seed(9)
+    t, depth = 12, 3
+    features = torch.randn(t, feature_width(head), dtype=torch.float64)
+    ids = torch.randint(0, TARGET.vocab_size, (t + depth + 1,))
+    ttt, prev, steps = [], features.unsqueeze(0), []
+    with torch.no_grad():
+        for j in range(depth + 1):
+            n = t - j
+            prev = head(prev[:, :n], ids[1 + j:1 + j + n].unsqueeze(0), torch.arange(j, j + n).unsqueeze(0), ttt=ttt)
+            steps.append(prev[0])
+        for anchor in (0, 4, t - 1 - depth):
+            chain = _draft_by_paged_cache(head, features, ids, anchor, depth)
+            for j in range(1, depth + 1):
+                torch.testing.assert_close(steps[j][anchor], chain[j - 1], rtol=1e-10, atol=1e-10)
+    # plain causal attention within a step (the approximation this replaces) differs
+    with torch.no_grad():
+        naive = head(steps[0][:t - 1].unsqueeze(0), ids[2:t + 1].unsqueeze(0), torch.arange(1, t).unsqueeze(0))[0]
+    assert not torch.allclose(naive[4], steps[1][4], atol=1e-3)
+
+
+@pytest.mark.parametrize("own_lm_head,draft_vocab", [(False, None), (True, 12)])
+def test_eagle3_checkpoint_layout_round_trip(tmp_path, own_lm_head, draft_vocab):
+    head = make_head("eagle3", draft_vocab, own_lm_head=own_lm_head)
+    head.save(tmp_path, dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(head.config.aux_hidden_state_layers)
+    from safetensors.torch import load_file
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "norm.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight"} <= names
+    assert ("lm_head.weight" in names) == own_lm_head and ("d2t" in names) == (draft_vocab is not None)
+    assert not any(n.startswith(("layers.", "eh_proj")) or "embed" in n for n in names)
+    loaded, report = load_draft_head(tmp_path)
+    assert report.missing == [] and report.unmapped == []
+    loaded.attach_target(head.embed_weight, head._full_lm_head)
+    fused, ids = torch.randn(1, 8, feature_width(head)), torch.randint(0, TARGET.vocab_size, (1, 8))
+    pos = torch.arange(8).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(loaded.compute_logits(loaded(fused, ids, pos)), head.compute_logits(head(fused, ids, pos)))
+
+
+def test_load_foreign_eagle3_checkpoint(tmp_path):
+    """Tensors synthesized in the EAGLE-3 layout vLLM and SGLang load (fc [H, 3H], midlayer.* with
+    2H-wide q/k/v, norm, lm_head over the draft vocabulary, d2t offsets, t2d mask), a config that
+    does not name the fused layers, the target's embedding and a stray tensor."""
+    from safetensors.torch import save_file
+
+    h, n, layers = TARGET.hidden_size, 12, 30   # a 30-layer target: EAGLE-3 fuses layers 2, 15, 27
+    g = torch.Generator().manual_seed(11)
+    q, kv = TARGET.num_attention_heads * TARGET.head_dim, TARGET.num_key_value_heads * TARGET.head_dim
+    shapes = {"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (n, h),
+              "midlayer.hidden_norm.weight": (h,), "midlayer.input_layernorm.weight": (h,),
+              "midlayer.post_attention_layernorm.weight": (h,),
+              "midlayer.self_attn.q_proj.weight": (q, 2 * h), "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+              "midlayer.self_attn.v_proj.weight": (kv, 2 * h), "midlayer.self_attn.o_proj.weight": (h, q),
+              "midlayer.mlp.gate_proj.weight": (40, h), "midlayer.mlp.up_proj.weight": (40, h),
+              "midlayer.mlp.down_proj.weight": (h, 40)}
+    tensors = {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+    draft_ids = torch.randperm(TARGET.vocab_size, generator=g)[:n].sort().values
+    tensors["d2t"] = draft_ids - torch.arange(n)
+    t2d = torch.zeros(TARGET.vocab_size, dtype=torch.bool)
+    t2d[draft_ids] = True
+    tensors.update({"t2d": t2d, "embed_tokens.weight": torch.zeros(TARGET.vocab_size, h),
+                    "midlayer.rotary_emb.inv_freq": torch.zeros(4)})
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h, "intermediate_size": 40,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 50, "draft_vocab_size": n,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 128, "rope_theta": 10000.0}))
+    with pytest.raises(ValueError, match="target_num_layers"):
+        load_draft_head(tmp_path, strict=False)
+    with pytest.raises(ValueError, match="rotary_emb.inv_freq"):
+        load_draft_head(tmp_path, target_num_layers=layers)
+    head, report = load_draft_head(tmp_path, strict=False, target_num_layers=layers)
+    c = head.config
+    assert (c.variant, c.own_lm_head, c.aux_hidden_state_layers, c.attention_bias) == ("eagle3", True, (2, 15, 27), False)
+    assert report.unmapped == ["midlayer.rotary_emb.inv_freq"] and report.target_owned == ["embed_tokens.weight"]
+    assert report.missing == []
+    assert torch.equal(head.draft_to_target, draft_ids)
+    sd = head.state_dict()
+    for name in shapes:
+        assert torch.equal(sd[name.removeprefix("midlayer.")], tensors[name]), name

@@ -56,6 +56,20 @@ def test_eagle_greedy_equals_no_speculation(tiny_qwen2_dir, head_dir, greedy_ref
         assert any(moved), "no accepted path left the first branch: the KV move went untested"
 
 
+@pytest.mark.parametrize("tree", ["eagle1", "dynamic_d5_k6_n24"])
+def test_eagle3_head_trees_greedy_equal_no_speculation(tiny_qwen2_dir, trained_tiny_eagle3_head, greedy_reference,
+                                                       tree):
+    """An EAGLE-3 head (the target's fused layers, its own lm_head) drafting static and dynamic trees."""
+    params, ref = greedy_reference
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "eagle", "model": trained_tiny_eagle3_head,
+                                                   "adaptive": False, **TREES[tree]})
+    for batch in ([PROMPTS[4]], PROMPTS):
+        out = spec.generate([{"prompt_token_ids": p} for p in batch], params)
+        assert [o.outputs[0].token_ids for o in out] == [ref[PROMPTS.index(p)] for p in batch]
+    st = spec.llm_engine.spec_stats
+    assert st.num_accepted_tokens / st.num_verify_steps > 0.5   # a trained head's drafts are accepted
+
+
 def test_eagle_static_tree_sets_the_depth(tiny_qwen2_dir, head_dir):
     llm = LLM(tiny_qwen2_dir, speculative_config={"method": "eagle", "model": str(head_dir),
                                                   "speculative_token_tree": "eagle1"})

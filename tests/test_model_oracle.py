@@ -154,3 +154,27 @@ def test_batch_of_8_matches_each_alone(tiny_qwen2_dir):
     for t, out in zip(toks, batched):
         alone = llm.generate([{"prompt_token_ids": t}], params)[0]
         assert out.outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def test_auxiliary_layer_features_match_transformers_hidden_states(tiny_qwen2_dir):
+    """With auxiliary layers (EAGLE-3's fused features), the model returns its final hidden states
+    and then the residual stream entering each layer: HF's ``hidden_states[l]`` (the input of
+    layer l); the logits are unchanged."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32).eval()
+    ours = build(tiny_qwen2_dir)
+    toks = prompts(ours.config.vocab_size, [19])[0]
+    h = ours.config.hidden_size
+    cache = new_cache(ours, 16, len(toks))
+    md = AttentionMetadata.build([[0, 1]], [0], [len(toks)], 16)
+    ids, pos = torch.tensor(toks), torch.arange(len(toks))
+    plain = ours(ids, pos, md, (cache.key_cache, cache.value_cache))
+    ours.aux_hidden_state_layers = (0, 2)
+    wide = ours(ids, pos, md, (cache.key_cache, cache.value_cache))
+    assert wide.shape == (len(toks), 3 * h)
+    assert torch.equal(wide[:, :h], plain)
+    assert torch.equal(ours.compute_logits(wide), ours.compute_logits(plain))
+    with torch.no_grad():
+        ref = hf(torch.tensor([toks]), output_hidden_states=True).hidden_states
+    for i, layer in enumerate((0, 2)):
+        torch.testing.assert_close(wide[:, h * (1 + i):h * (2 + i)], ref[layer][0], rtol=1e-4, atol=1e-4)

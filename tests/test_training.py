@@ -27,7 +27,8 @@ def tiny_data(tiny_qwen2_dir, tmp_path_factory):
     llm = LLM(tiny_qwen2_dir)
     docs = list(stdlib_documents(llm.get_tokenizer(), max_tokens=12000))
     out = tmp_path_factory.mktemp("hidden")
-    precompute_hidden_states(llm.llm_engine, docs, out, _settings(llm, seq_len=128, top_k=8, shard_tokens=3000),
+    precompute_hidden_states(llm.llm_engine, docs, out, _settings(llm, seq_len=128, top_k=8, shard_tokens=3000,
+                                                                  aux_layers=(0, 2)),
                              progress=False)
     return out, docs
 
@@ -49,6 +50,8 @@ def test_precomputed_hidden_states_equal_hf_forward(tiny_qwen2_dir, tiny_data):
             o = hf(ids.unsqueeze(0), output_hidden_states=True)
         want_h = o.hidden_states[-1][0]                    # after the final norm: what feeds lm_head
         torch.testing.assert_close(shard["hidden_states"][start:start + n].float(), want_h, rtol=2e-3, atol=2e-3)
+        want_aux = torch.cat([o.hidden_states[0][0], o.hidden_states[2][0]], -1)   # entering layers 0 and 2
+        torch.testing.assert_close(shard["aux_hidden_states"][start:start + n].float(), want_aux, rtol=2e-3, atol=2e-3)
         p, i = torch.softmax(o.logits[0], -1).topk(8, -1)
         assert (shard["topk_ids"][start:start + n].long() == i).float().mean() > 0.99   # ties aside
         torch.testing.assert_close(shard["topk_probs"][start:start + n].float(), p, rtol=2e-3, atol=2e-3)
@@ -119,9 +122,39 @@ def test_lr_schedule_hand_computed():
 
 def test_bytes_per_token():
     assert bytes_per_token(1536, 20) == 3072 + 4 + 120
+    assert bytes_per_token(1536, 20, num_aux_layers=3) == 4 * 3072 + 4 + 120
 
 
-@pytest.mark.parametrize("variant,draft_vocab,unroll", [("normed", None, 1), ("eagle", 64, 2)])
+def test_dataset_limits_and_auxiliary_features(tiny_data, tmp_path):
+    out, _ = tiny_data
+    full = HiddenStateDataset(out, "train", 0.2)
+    part = HiddenStateDataset(out, "train", 0.2, max_tokens=2000, load_aux=True)
+    assert 2000 <= part.num_tokens < 2000 + 128 and part.num_tokens < full.num_tokens
+    b = part.batch([0, 1])
+    assert b.aux_hidden_states.shape[:2] == b.hidden_states.shape[:2] and b.aux_hidden_states.shape[2] == 2 * 64
+    assert full.batch([0]).aux_hidden_states is None
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["settings"]["aux_layers"]
+    (plain / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="without auxiliary layers"):
+        HiddenStateDataset(plain, "train", 0.2, load_aux=True)
+
+
+def test_aux_layer_flag():
+    from specserve.training.commands import _aux_layers
+
+    assert _aux_layers("auto", "eagle3", 28) == (2, 14, 25)
+    assert _aux_layers("auto", "normed", 28) == () and _aux_layers("none", "eagle3", 28) == ()
+    assert _aux_layers("1,5", "eagle", 28) == (1, 5)
+    with pytest.raises(ValueError, match="out of range"):
+        _aux_layers("1,28", "eagle3", 28)
+    with pytest.raises(ValueError, match="comma-separated"):
+        _aux_layers("low", "eagle3", 28)
+
+
+@pytest.mark.parametrize("variant,draft_vocab,unroll", [("normed", None, 1), ("eagle", 64, 2), ("eagle3", 64, 2)])
 def test_training_lowers_val_loss_and_beats_unigram(tiny_qwen2_dir, tiny_data, tmp_path, variant, draft_vocab, unroll):
     out, _ = tiny_data
     loaded = load_model(str(tiny_qwen2_dir))
@@ -200,9 +233,17 @@ def test_self_distilled_documents_are_cached_for_a_rerun(tmp_path):
     first = collect_documents(StubLLM(), ["humaneval"], 0, 3, 5, cache_dir=tmp_path)
     again = collect_documents(StubLLM(), ["humaneval"], 0, 3, 5, cache_dir=tmp_path)
     assert calls == [3] and again == first
-    assert first[0] == ("humaneval/40", [0, 1, 7, 7, 7, 7, 7])   # the first 40 prompts are held out
+    docs = dict(first)
+    assert sorted(docs) == ["humaneval/40", "humaneval/41", "humaneval/42"]   # the first 40 prompts are held out
+    assert docs["humaneval/40"] == [0, 1, 7, 7, 7, 7, 7]
     collect_documents(StubLLM(), ["humaneval"], 0, 3, 6, cache_dir=tmp_path)   # other settings: generated
     assert calls == [3, 3]
+    # an interrupted run: the answers written so far (and a cut last line) are kept, the rest made
+    cache = tmp_path / "selfdistill_humaneval_5tok.jsonl"
+    lines = cache.read_text().splitlines()
+    cache.write_text(lines[0] + "\n" + lines[1][:10])
+    more = collect_documents(StubLLM(), ["humaneval"], 0, 5, 5, cache_dir=tmp_path)
+    assert calls == [3, 3, 4] and len(more) == 5 and dict(more)["humaneval/40"] == docs["humaneval/40"]
 
 
 def test_training_plot_from_logs(tmp_path):

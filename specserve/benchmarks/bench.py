@@ -69,7 +69,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default=None,
                    help="--methods: the draft head for mtp/eagle (default: a shipped head for --model)")
     p.add_argument("--specbench-prompts", type=int, default=0,
-                   help="--methods: Spec-Bench first turns added to the HumanEval prompts (default: %(default)s)")
+                   help="--methods: Spec-Bench first turns added to the HumanEval prompts, from the 48 held out of head "
+                        "training (default: %(default)s)")
     p.add_argument("--tree-depth", type=int, default=4,
                    help="--methods eagle-dynamic: levels of the dynamic tree (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")

@@ -64,15 +64,16 @@ def method_config(method: str, args: argparse.Namespace) -> dict | None:
 
 
 def benchmark_prompts(tokenizer, num_humaneval: int, num_specbench: int) -> list[tuple[str, list[int]]]:
-    """``(name, token ids)``: HumanEval/0.. raw, then Spec-Bench first turns (every n-th question,
-    so all categories appear) through the chat template."""
+    """``(name, token ids)``: HumanEval/0.. raw, then Spec-Bench first turns through the chat
+    template, spread over the held-out questions (every n-th, so all categories appear; never
+    trained on, see :func:`~specserve.training.corpus.spec_bench_eval_questions`)."""
     from specserve.benchmarks.bench import humaneval_prompts
-    from specserve.training.corpus import spec_bench_questions
+    from specserve.training.corpus import spec_bench_eval_questions
 
     out = [(f"HumanEval/{i}", list(tokenizer.encode(p)))
            for i, p in enumerate(humaneval_prompts(num_humaneval) if num_humaneval else [])]
     if num_specbench:
-        questions = spec_bench_questions()
+        questions = spec_bench_eval_questions()
         step = max(1, len(questions) // num_specbench)
         for qid, text in questions[::step][:num_specbench]:
             chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

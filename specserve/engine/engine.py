@@ -89,8 +89,9 @@ class LLMEngine:
             target = TargetInfo(cfg, self.tokenizer, dtype, args.device, args.quantization, num_blocks,
                                 args.block_size, weights["model.embed_tokens.weight"],
                                 weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
-            self.worker = SpeculativeWorker(self.target_worker, build_proposer(self.spec_config, target, loaded_draft),
-                                            self.spec_config)
+            proposer = build_proposer(self.spec_config, target, loaded_draft)
+            self.model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
+            self.worker = SpeculativeWorker(self.target_worker, proposer, self.spec_config)
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, list[Request]] = {}
         self.last_step_stats: StepStats | None = None

@@ -85,10 +85,12 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
         return {"method": "ngram", "prompt_lookup_max": args.prompt_lookup_max,
                 "prompt_lookup_min": args.prompt_lookup_min, **common}
     draft = args.speculative_model
-    if draft is None and args.model == DEFAULT_MODEL:
+    heads = ("mtp", "eagle")
+    if draft is None and args.model == DEFAULT_MODEL and args.speculative_method not in heads:
         draft = DEFAULT_DRAFT
-    if draft is None:
+    if draft is None and args.speculative_method not in heads:
         return None
+    # a head method without a model takes the head shipped for the target (EngineArgs finds it)
     method = args.speculative_method or ("mtp" if is_head(draft) else "draft_model")
     if method == "eagle":
         common.update(speculative_token_tree=args.speculative_token_tree, eagle_topk=args.eagle_topk,

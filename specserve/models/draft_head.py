@@ -1,12 +1,20 @@
-"""One-layer draft heads that predict the target's next hidden state: EAGLE and the normed MTP head.
+"""One-layer draft heads that predict the target's next hidden state: EAGLE-3, EAGLE and the normed MTP head.
 
-A head reads, for position t, the target's hidden state ``h_t`` (the final-norm output that feeds
-the target's lm_head) and the embedding of token t+1, and returns a hidden state for position t+1,
-which the target's own frozen lm_head turns into next-token logits. Two variants:
+A head reads, for position t, target features at t and the embedding of token t+1, and returns a
+hidden state for position t+1 that an lm_head turns into next-token logits. While drafting a chain
+it reads its own previous output instead of the target's features. Three variants:
 
+* ``eagle3`` (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+  via Training-Time Test", section 3): the target's features are the residual streams
+  entering a low, a middle and a high layer, fused by ``fc`` (``[3H] -> [H]``, no bias). One decoder
+  layer whose attention reads ``concat(input_layernorm(embed), hidden_norm(h))`` (``2H`` wide),
+  with ``h`` as the residual; ``norm`` then an lm_head score the output. The output, before
+  ``norm``, is what the next draft step reads. Trained on tokens only (no feature regression) and
+  on its own unrolled predictions ("training-time test"). Its lm_head is its own when
+  ``own_lm_head`` (EAGLE-3's checkpoints), else the target's rows, frozen.
 * ``eagle`` (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
-  Uncertainty", section 4.1): ``fc(concat(embed, h))`` with a bias, then one decoder layer whose
-  input RMSNorm is removed, and no final norm.
+  Uncertainty", section 4.1): ``fc(concat(embed, h))`` with a bias, ``h`` the target's final-norm
+  output, then one decoder layer whose input RMSNorm is removed, and no final norm.
 * ``normed`` (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 2.2, the MTP module; the
   seed's fix): ``eh_proj(concat(enorm(embed), hnorm(h)))``, a standard pre-norm decoder layer and a
   final RMSNorm (``shared_head.norm``) before the shared lm_head, so the head's output lives in the
@@ -14,13 +22,14 @@ which the target's own frozen lm_head turns into next-token logits. Two variants
 
 The decoder layer is shaped like the target's (width, heads, RoPE); only the MLP's intermediate
 size is free. The target's embedding and lm_head are attached with :meth:`DraftHead.attach_target`:
-frozen, shared with the target and never saved. A reduced draft vocabulary (EAGLE-3, Li et al.
-2025, section 3) scores only ``draft_vocab_size`` target tokens, mapped by ``draft_to_target``.
+frozen, shared with the target and never saved. A reduced draft vocabulary (EAGLE-3, section 3)
+scores only ``draft_vocab_size`` target tokens, mapped by ``draft_to_target``.
 
-Checkpoints are written in the EAGLE layout vLLM and SGLang load (``fc.*``, ``layers.0.*``, and for
-``normed`` ``enorm``/``hnorm``/``layers.0.input_layernorm``/``norm``; ``d2t``/``t2d`` as in EAGLE-3
-when the vocabulary is reduced) with a Hugging Face style ``config.json``. :func:`load_draft_head`
-also maps DeepSeek-V3 MTP names (``model.layers.{N}.eh_proj`` ...) and reports what it cannot map.
+Checkpoints are written in the layouts vLLM and SGLang load, with a Hugging Face style
+``config.json``: EAGLE-3's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and
+EAGLE's (``fc.*``, ``layers.0.*``, and for ``normed`` ``enorm``/``hnorm``/``norm``).
+:func:`load_draft_head` also maps DeepSeek-V3 MTP names (``model.layers.{N}.eh_proj`` ...) and
+reports what it cannot map.
 """
 from __future__ import annotations
 
@@ -38,7 +47,7 @@ from specserve.attention.torch_backend import TorchAttentionBackend
 from specserve.config import ModelConfig
 from specserve.models.llama import RotaryEmbedding, rms_norm
 
-HEAD_VARIANTS = ("eagle", "normed")
+HEAD_VARIANTS = ("eagle3", "eagle", "normed")
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -52,6 +61,10 @@ class DraftHeadConfig:
         vocab_size: the target's vocabulary size.
         draft_vocab_size: tokens the head scores (None: the whole target vocabulary).
         target_architecture: the target's ``ModelConfig.architecture`` ("llama" | "qwen2").
+        aux_hidden_state_layers: ``eagle3``: the target layers whose input residual stream ``fc``
+            fuses (empty: EAGLE-3's default (2, L // 2, L - 3), filled in for the target).
+        own_lm_head: ``eagle3``: the head has its own ``lm_head [draft vocab, H]`` (trained, saved)
+            instead of the target's rows.
     """
 
     variant: str
@@ -67,8 +80,13 @@ class DraftHeadConfig:
     attention_bias: bool = False
     draft_vocab_size: int | None = None
     target_architecture: str = "llama"
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    own_lm_head: bool = False
 
     def __post_init__(self) -> None:
+        self.aux_hidden_state_layers = tuple(int(i) for i in self.aux_hidden_state_layers)
+        if self.variant != "eagle3" and (self.aux_hidden_state_layers or self.own_lm_head):
+            raise ValueError(f"aux_hidden_state_layers and own_lm_head are for variant 'eagle3', not {self.variant!r}")
         if self.variant not in HEAD_VARIANTS:
             raise ValueError(f"variant must be one of {HEAD_VARIANTS}, got {self.variant!r}")
         if self.intermediate_size < 1:
@@ -78,22 +96,37 @@ class DraftHeadConfig:
 
     @classmethod
     def for_target(cls, target: ModelConfig, variant: str, intermediate_size: int | None = None,
-                   draft_vocab_size: int | None = None) -> "DraftHeadConfig":
-        """A head for ``target``; the MLP is as wide as the target's unless ``intermediate_size``."""
+                   draft_vocab_size: int | None = None, aux_hidden_state_layers: tuple[int, ...] | None = None,
+                   own_lm_head: bool = False) -> "DraftHeadConfig":
+        """A head for ``target``; the MLP is as wide as the target's unless ``intermediate_size``;
+        an ``eagle3`` head fuses ``aux_hidden_state_layers`` (default: EAGLE-3's three)."""
+        aux = ()
+        if variant == "eagle3":
+            aux = tuple(aux_hidden_state_layers or default_aux_layers(target.num_hidden_layers))
         return cls(variant=variant, hidden_size=target.hidden_size,
                    intermediate_size=intermediate_size or target.intermediate_size,
                    num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
                    head_dim=target.head_dim, vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
                    rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
                    attention_bias=target.attention_bias, draft_vocab_size=draft_vocab_size,
-                   target_architecture=target.architecture)
+                   target_architecture=target.architecture, aux_hidden_state_layers=aux, own_lm_head=own_lm_head)
+
+    @property
+    def num_aux_layers(self) -> int:
+        return len(self.aux_hidden_state_layers)
 
     def to_hf_dict(self) -> dict:
         """``config.json`` contents: the target's Hugging Face fields with one layer, EAGLE's
         architecture name, and our own fields under ``specserve_head``."""
         arch = "Qwen2ForCausalLM" if self.target_architecture == "qwen2" else "LlamaForCausalLM"
+        suffix = "Eagle3" if self.variant == "eagle3" else "Eagle"
+        extra = {}
+        if self.variant == "eagle3":   # what vLLM and SGLang read to feed an EAGLE-3 head
+            extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_hidden_state_layers),
+                                     "use_aux_hidden_state": True}
+            extra["target_hidden_size"] = self.hidden_size
         return {
-            "architectures": [arch.replace("ForCausalLM", "ForCausalLMEagle")],
+            "architectures": [("LlamaForCausalLM" if self.variant == "eagle3" else arch).replace("ForCausalLM", "ForCausalLM" + suffix)],
             "model_type": self.target_architecture,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": 1, "num_attention_heads": self.num_attention_heads,
@@ -101,27 +134,40 @@ class DraftHeadConfig:
             "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
             "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
-            "attention_bias": self.attention_bias, "torch_dtype": "float16",
+            "attention_bias": self.attention_bias, "torch_dtype": "float16", **extra,
             "specserve_head": asdict(self),
         }
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "DraftHeadConfig":
-        """Inverse of :meth:`to_hf_dict`; a foreign EAGLE config (no ``specserve_head``) is read
-        as the ``eagle`` variant from its Hugging Face fields."""
+        """Inverse of :meth:`to_hf_dict`. A foreign config (no ``specserve_head``) is read from
+        its Hugging Face fields: ``eagle3`` when its architecture says Eagle3 or it has an
+        ``eagle_config`` (its own lm_head; fused layers from ``eagle_aux_hidden_state_layer_ids``,
+        else EAGLE-3's default, filled in for the target), else ``eagle``."""
         if "specserve_head" in d:
             names = {f.name for f in fields(cls)}
             return cls(**{k: v for k, v in d["specserve_head"].items() if k in names})
         heads = d["num_attention_heads"]
         draft_vocab = d.get("draft_vocab_size")
-        return cls(variant="eagle", hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+        eagle3 = "eagle_config" in d or any("Eagle3" in a for a in d.get("architectures", []))
+        aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()
+        bias_default = False if eagle3 else d.get("model_type") == "qwen2"
+        return cls(variant="eagle3" if eagle3 else "eagle", hidden_size=d["hidden_size"],
+                   intermediate_size=d["intermediate_size"],
                    num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
                    head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
                    rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", 10000.0),
                    max_position_embeddings=d.get("max_position_embeddings", 2048),
-                   attention_bias=d.get("attention_bias", d.get("model_type") == "qwen2"),
+                   attention_bias=d.get("attention_bias", bias_default),
                    draft_vocab_size=None if draft_vocab in (None, d["vocab_size"]) else draft_vocab,
-                   target_architecture=d.get("model_type", "llama"))
+                   target_architecture=d.get("model_type", "llama"), aux_hidden_state_layers=tuple(aux),
+                   own_lm_head=eagle3)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high target layers, as vLLM and SGLang pick them:
+    (2, L // 2, L - 3), clipped and deduplicated for shallow models."""
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)}))
 
 
 class RMSNorm(nn.Module):
@@ -138,9 +184,10 @@ class _Attention(nn.Module):
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
         h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        self.q_proj = nn.Linear(h, q, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, kv, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, kv, bias=cfg.attention_bias)
+        w = 2 * h if cfg.variant == "eagle3" else h   # eagle3 reads [normed embedding, normed hidden state]
+        self.q_proj = nn.Linear(w, q, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(w, kv, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(w, kv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q, h, bias=False)
 
 
@@ -165,20 +212,62 @@ class PagedKV:
     md: AttentionMetadata
 
 
+def _training_time_test_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention of unrolled step j >= 1 as the head sees it when drafting (EAGLE-3, section 3,
+    "training-time test").
+
+    Row r of step j is the j-th draft after the accepted position r. At inference its query sees
+    the entries made from the target's features at positions <= r (step 0's keys, causal) and the
+    chain's own entries at r+1 .. r+j, which are row r of steps 1 .. j (this step's included).
+
+    Args:
+        q, k, v: ``[B, heads, n, D]`` / ``[B, kv_heads, n, D]`` this step's (n rows).
+        earlier: ``(k, v)`` of steps 0 .. j-1, each with at least n rows.
+    Returns:
+        ``[B, heads, n, D]``.
+    """
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    expand = (lambda t: t.repeat_interleave(group, dim=1)) if group > 1 else (lambda t: t)
+    scale = d ** -0.5
+    k0, v0 = (expand(t[:, :, :n]) for t in earlier[0])
+    scores0 = (q @ k0.transpose(-1, -2)) * scale                                 # [B, hq, n, n]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores0 = scores0.masked_fill(~causal, float("-inf"))
+    diag_k = [expand(kk[:, :, :n]) for kk, _ in earlier[1:]] + [expand(k)]
+    diag_v = [expand(vv[:, :, :n]) for _, vv in earlier[1:]] + [expand(v)]
+    diag = torch.stack([(q * kk).sum(-1) for kk in diag_k], dim=-1) * scale     # [B, hq, n, j]
+    p = torch.softmax(torch.cat([scores0, diag], dim=-1), dim=-1)
+    out = p[..., :n] @ v0
+    return out + (p[..., n:].unsqueeze(-1) * torch.stack(diag_v, dim=-2)).sum(-2)
+
+
 class DraftHead(nn.Module):
     """A one-layer EAGLE / MTP draft head (see the module docstring for the two variants).
 
-    Parameter names follow DeepSeek-V3's MTP module (``eh_proj``, ``enorm``, ``hnorm``,
-    ``shared_head.norm``) and a Hugging Face decoder layer (``self_attn.*``, ``mlp.*``).
+    Parameter names follow EAGLE-3 (``fc``, ``hidden_norm``, ``norm``, ``lm_head``), DeepSeek-V3's
+    MTP module (``eh_proj``, ``enorm``, ``hnorm``, ``shared_head.norm``) and a Hugging Face decoder
+    layer (``self_attn.*``, ``mlp.*``).
     """
 
     def __init__(self, config: DraftHeadConfig):
         super().__init__()
         self.config = config
         h, eps = config.hidden_size, config.rms_norm_eps
+        self.variant = config.variant
         self.normed = config.variant == "normed"
-        # EAGLE's fc carries a bias; DeepSeek's eh_proj, behind two norms, does not
-        self.eh_proj = nn.Linear(2 * h, h, bias=not self.normed)
+        n = config.draft_vocab_size or config.vocab_size
+        if self.variant == "eagle3":
+            self.fc = nn.Linear(max(config.num_aux_layers, 1) * h, h, bias=False)
+            self.input_layernorm = RMSNorm(h, eps)   # of the embedding
+            self.hidden_norm = RMSNorm(h, eps)
+            self.norm = RMSNorm(h, eps)
+            if config.own_lm_head:
+                self.lm_head = nn.Linear(h, n, bias=False)
+        else:
+            # EAGLE's fc carries a bias; DeepSeek's eh_proj, behind two norms, does not
+            self.eh_proj = nn.Linear(2 * h, h, bias=not self.normed)
         self.self_attn = _Attention(config)
         self.mlp = _MLP(config)
         self.post_attention_layernorm = RMSNorm(h, eps)
@@ -191,7 +280,6 @@ class DraftHead(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max(config.max_position_embeddings, 1))
         self.paged_attention = TorchAttentionBackend(config.num_attention_heads, config.num_key_value_heads,
                                                      config.head_dim)
-        n = config.draft_vocab_size or config.vocab_size
         self.register_buffer("draft_to_target", torch.arange(n, dtype=torch.int64))
         # the target's, frozen: plain attributes, so they are neither saved, trained, moved by
         # .to() nor broadcast by DistributedDataParallel
@@ -222,6 +310,14 @@ class DraftHead(nn.Module):
         self._full_lm_head = full if keep_full_lm_head else None
         return self
 
+    def init_own_lm_head(self) -> None:
+        """Start an own lm_head (``own_lm_head``) from the target's rows of the draft vocabulary
+        (call after :meth:`attach_target` and :meth:`set_draft_vocab`, before training)."""
+        if not self.config.own_lm_head or self.lm_head_weight is None:
+            raise RuntimeError("init_own_lm_head needs own_lm_head and an attached target")
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self.lm_head_weight.to(self.lm_head.weight.dtype))
+
     def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
         """Install the reduced vocabulary: ``draft_to_target [N]`` int64 distinct target ids."""
         n = self.config.draft_vocab_size or self.config.vocab_size
@@ -245,12 +341,14 @@ class DraftHead(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv: PagedKV | None = None) -> torch.Tensor:
+                kv: PagedKV | None = None, ttt: "list[tuple[torch.Tensor, torch.Tensor]] | None" = None) -> torch.Tensor:
         """Predict the next hidden states.
 
         Args:
-            hidden_states: ``[..., T, H]`` the target's (or the head's own) hidden state at each
-                position t.
+            hidden_states: ``[..., T, W]`` what the head reads at each position t: the target's
+                features, or (``W = H``) the head's own previous output. For ``eagle3`` the target's
+                features are ``[n_aux * H]`` (the fused layers) or ``[(1 + n_aux) * H]`` (the target
+                model's output with auxiliary layers: final hidden state first, skipped here).
             input_ids: ``[..., T]`` int64, token t+1 for each position (the token the hidden state
                 predicted).
             positions: ``[..., T]`` int64, the position t of each input hidden state (the
@@ -258,21 +356,35 @@ class DraftHead(nn.Module):
             kv: None for training: ``[B, T, H]`` batches attend causally within each row (padding
                 at the end of a row cannot reach earlier positions). At inference ``[T, H]`` rows of
                 several sequences with their paged caches.
+            ttt: training only: the keys / values of the earlier unrolled steps of this batch
+                (EAGLE-3's training-time test, see :meth:`_attention`); this step's are appended.
         Returns:
-            ``[..., T, H]`` predicted hidden states (the input of the shared lm_head).
+            ``[..., T, H]`` predicted hidden states: what the next draft step reads and what
+            :meth:`compute_logits` scores.
         """
         embeds = self.embed(input_ids).to(hidden_states.dtype)
+        if self.variant == "eagle3":
+            h = self.config.hidden_size
+            if hidden_states.shape[-1] == (1 + self.config.num_aux_layers) * h and self.config.num_aux_layers:
+                hidden_states = hidden_states[..., h:]
+            if hidden_states.shape[-1] != h:
+                hidden_states = self.fc(hidden_states)
+            residual = hidden_states
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden_states)], dim=-1)
+            x = residual + self._attention(x, positions, kv, ttt)
+            return x + self.mlp(self.post_attention_layernorm(x))
         if self.normed:
             embeds, hidden_states = self.enorm(embeds), self.hnorm(hidden_states)
         x = self.eh_proj(torch.cat([embeds, hidden_states], dim=-1))
         residual = x
         if self.normed:
             x = self.input_layernorm(x)
-        x = residual + self._attention(x, positions, kv)
+        x = residual + self._attention(x, positions, kv, ttt)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return self.shared_head.norm(x) if self.normed else x
 
-    def _attention(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV | None) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV | None,
+                   ttt: "list[tuple[torch.Tensor, torch.Tensor]] | None" = None) -> torch.Tensor:
         cfg = self.config
         lead = x.shape[:-1]
         q = self.self_attn.q_proj(x).reshape(-1, cfg.num_attention_heads, cfg.head_dim)
@@ -282,8 +394,13 @@ class DraftHead(nn.Module):
         if kv is None:
             b, t = (1, lead[0]) if len(lead) == 1 else lead
             qb, kb, vb = (z.reshape(b, t, -1, cfg.head_dim).transpose(1, 2) for z in (q, k, v))
-            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
-                                                 enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads)
+            if ttt:
+                out = _training_time_test_attention(qb, kb, vb, ttt)
+            else:
+                out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True,
+                                                     enable_gqa=cfg.num_attention_heads != cfg.num_key_value_heads)
+            if ttt is not None:
+                ttt.append((kb, vb))
             out = out.transpose(1, 2).reshape(*lead, -1)
         else:
             out = self.paged_attention.forward(q, k, v, kv.key_cache, kv.value_cache, kv.md).reshape(*lead, -1)
@@ -292,18 +409,24 @@ class DraftHead(nn.Module):
     def compute_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., N]`` float32 logits over the draft vocabulary (N = V when full);
         map an index to a target token id with ``draft_to_target``."""
+        if self.variant == "eagle3":
+            head_hidden = self.norm(head_hidden)
+            if self.config.own_lm_head:
+                return self.lm_head(head_hidden).float()
         if self.lm_head_weight is None:
             raise RuntimeError("attach_target() first: the head shares the target's lm_head")
         return F.linear(head_hidden, self.lm_head_weight.to(head_hidden.dtype)).float()
 
     # ------------------------------------------------------------------ checkpoints
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:
-        """Weights under EAGLE checkpoint names (``fc``, ``layers.0.*``, ``norm``, ``d2t``/``t2d``)."""
+        """Weights under checkpoint names: EAGLE-3's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``)
+        for ``eagle3``, EAGLE's (``fc``, ``layers.0.*``, ``norm``) otherwise; ``d2t``/``t2d`` when
+        the vocabulary is reduced."""
         out = {}
         for name, t in self.state_dict().items():
             if name == "draft_to_target":
                 continue
-            out[_to_eagle_name(name)] = t.detach().contiguous()
+            out[_to_checkpoint_name(name, self.variant)] = t.detach().contiguous()
         if self.config.draft_vocab_size is not None:
             ids = self.draft_to_target
             out["d2t"] = ids - torch.arange(ids.numel())  # EAGLE-3: target id = draft id + d2t
@@ -327,9 +450,12 @@ class DraftHead(nn.Module):
 
 
 _EAGLE_TOP = {"eh_proj": "fc", "shared_head.norm": "norm", "enorm": "enorm", "hnorm": "hnorm"}
+_EAGLE3_TOP = ("fc", "norm", "lm_head")
 
 
-def _to_eagle_name(name: str) -> str:
+def _to_checkpoint_name(name: str, variant: str) -> str:
+    if variant == "eagle3":
+        return name if name.split(".", 1)[0] in _EAGLE3_TOP else "midlayer." + name
     for ours, theirs in _EAGLE_TOP.items():
         if name.startswith(ours + "."):
             return theirs + name[len(ours):]
@@ -342,24 +468,34 @@ _LAYER_PARTS = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "
 _TARGET_PARTS = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
 
 
-def map_checkpoint_names(names: list[str]) -> tuple[dict[str, str], list[str], list[str]]:
+def map_checkpoint_names(names: list[str], variant: str = "eagle") -> tuple[dict[str, str], list[str], list[str]]:
     """Map checkpoint tensor names to :class:`DraftHead` parameter names.
 
-    Understands the EAGLE layout (``fc``, ``layers.0.*``, ``norm``, ``enorm``, ``hnorm``,
-    ``d2t``, ``t2d``) and DeepSeek-V3's MTP layout (``model.layers.{N}.eh_proj``, ``enorm``,
-    ``hnorm``, ``shared_head.norm``, the decoder layer's ``self_attn``/``mlp``/norms).
+    Understands EAGLE-3's layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``; for ``variant``
+    ``"eagle3"``), the EAGLE layout (``fc``, ``layers.0.*``, ``norm``, ``enorm``, ``hnorm``) and
+    DeepSeek-V3's MTP layout (``model.layers.{N}.eh_proj``, ``enorm``, ``hnorm``,
+    ``shared_head.norm``, the decoder layer's ``self_attn``/``mlp``/norms); ``d2t``/``t2d`` in all.
     Returns ``(mapping, target_owned, unmapped)``: checkpoint name -> ours; names that belong to
-    the target (embedding, lm_head: the head shares the target's, so they are skipped); names
-    with no counterpart here (e.g. DeepSeek's MLA attention or MoE experts).
+    the target (embedding, lm_head: the head shares the target's, so they are skipped; an EAGLE-3
+    head's own ``lm_head`` is mapped); names with no counterpart here (e.g. DeepSeek's MLA
+    attention or MoE experts).
     """
     mapping, target_owned, unmapped = {}, [], []
     for name in names:
         base = re.sub(r"^model\.layers\.\d+\.", "", name)   # DeepSeek MTP: model.layers.{N}.*
         base = re.sub(r"^model\.", "", base)
-        if base.startswith("layers.0."):
-            base = base[len("layers.0."):]
+        for prefix in ("layers.0.", "midlayer."):
+            if base.startswith(prefix):
+                base = base[len(prefix):]
         if base in ("d2t", "t2d"):
             mapping[name] = base
+        elif variant == "eagle3":
+            if base.startswith(("fc.", "norm.", "lm_head.", "hidden_norm.")) or base.startswith(_LAYER_PARTS):
+                mapping[name] = base
+            elif base.endswith(_TARGET_PARTS):
+                target_owned.append(name)
+            else:
+                unmapped.append(name)
         elif base.endswith(_TARGET_PARTS) or base in _TARGET_PARTS:
             target_owned.append(name)
         elif base.startswith(("fc.", "eh_proj.")):
@@ -384,16 +520,19 @@ class LoadReport:
 
 
 def load_draft_head(path: str | Path, config: DraftHeadConfig | None = None,
-                    strict: bool = True) -> tuple[DraftHead, LoadReport]:
+                    strict: bool = True, target_num_layers: int | None = None) -> tuple[DraftHead, LoadReport]:
     """Load a head from a folder with ``config.json`` and ``*.safetensors``.
 
     Args:
-        path: the checkpoint folder (our own, an EAGLE one, or DeepSeek-MTP tensors).
+        path: the checkpoint folder (our own, an EAGLE / EAGLE-3 one, or DeepSeek-MTP tensors).
         config: overrides the folder's ``config.json`` (required when it has none).
         strict: raise when a head parameter is missing or a tensor cannot be mapped.
+        target_num_layers: the target's depth, for an EAGLE-3 checkpoint that does not name the
+            layers it fuses (EAGLE-3's default (2, L // 2, L - 3) is taken).
     Raises:
         FileNotFoundError: no safetensors file, or no config and none given.
-        ValueError: a tensor's shape differs from the head's, or (strict) missing/unmapped names.
+        ValueError: a tensor's shape differs from the head's, or (strict) missing/unmapped names,
+            or an EAGLE-3 checkpoint without its fused layers and no ``target_num_layers``.
     """
     from safetensors.torch import load_file
 
@@ -406,10 +545,15 @@ def load_draft_head(path: str | Path, config: DraftHeadConfig | None = None,
         if not cfg_file.is_file():
             raise FileNotFoundError(f"{cfg_file} not found; pass a DraftHeadConfig")
         config = DraftHeadConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    if config.variant == "eagle3" and not config.aux_hidden_state_layers:
+        if target_num_layers is None:
+            raise ValueError(f"EAGLE-3 checkpoint {folder} does not name the target layers it fuses "
+                             "(eagle_config.eagle_aux_hidden_state_layer_ids); pass target_num_layers")
+        config.aux_hidden_state_layers = default_aux_layers(target_num_layers)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
-    mapping, target_owned, unmapped = map_checkpoint_names(list(tensors))
+    mapping, target_owned, unmapped = map_checkpoint_names(list(tensors), config.variant)
     head = DraftHead(config)
     own = dict(head.state_dict())
     state, loaded = {}, []

@@ -134,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
         if head is None:
             head = weights["model.embed_tokens.weight"]
         self.lm_head = make_linear([head], None, quantization, "lm_head.weight")
+        # EAGLE-3 heads read low / middle / high layers too (set by the engine from the proposer)
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,16 +157,24 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: ``(key_cache, value_cache)``, each
                 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
         Returns:
-            ``[T, hidden_size]`` final hidden states (after the last RMSNorm).
+            ``[T, hidden_size]`` final hidden states (after the last RMSNorm); with
+            ``aux_hidden_state_layers`` = (l_1 .. l_n), ``[T, (1 + n) * hidden_size]``: the final
+            hidden states, then the residual stream entering each layer l_i (EAGLE-3's low / middle /
+            high features; Li et al. 2025, section 3.2). :meth:`compute_logits` reads the first part.
         """
         key_cache, value_cache = kv_caches
         hidden = self.embed(input_ids)
         tables = self.rotary.tables(positions, hidden.dtype)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_state_layers:
+                aux.append(hidden)
             hidden = layer(positions, hidden, key_cache[i], value_cache[i], md, tables)
-        return rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        final = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        return torch.cat([final, *aux], dim=-1) if aux else final
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> ``[N, vocab_size]`` float32 logits of the rows given."""
-        return self.lm_head(hidden_states).float()
+        """``[N, hidden_size]`` (or the wider output of :meth:`forward` with auxiliary layers) ->
+        ``[N, vocab_size]`` float32 logits of the rows given."""
+        return self.lm_head(hidden_states[:, :self.config.hidden_size].contiguous()).float()

@@ -278,6 +278,14 @@ def builtin_heads() -> list[str]:
     return sorted(p.name for p in HEADS_DIR.iterdir() if (p / "config.json").is_file())
 
 
+def shipped_head_for(target: str) -> str | None:
+    """The shipped head trained for ``target`` (a built-in name, or a path whose file or folder
+    name is one: ``<target>-head``), or None. Heads ship with their target as DeepSeek-V3's MTP
+    layers do, so ``method="mtp"`` / ``"eagle"`` need no ``model``."""
+    name = Path(str(target)).name.removesuffix(".gguf")
+    return f"{name}-head" if f"{name}-head" in builtin_heads() else None
+
+
 def resolve_head(name: str) -> Path:
     """The folder of draft head ``name``: a path, or the name of a shipped head.
 

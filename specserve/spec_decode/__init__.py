@@ -71,8 +71,11 @@ def _load_head(cfg: SpeculativeConfig, target: TargetInfo):
     from specserve.models.quantization import QuantizedTensor
     from specserve.models.registry import resolve_head
 
-    head, _ = load_draft_head(resolve_head(cfg.model))
     tc = target.config
+    head, _ = load_draft_head(resolve_head(cfg.model), target_num_layers=tc.num_hidden_layers)
+    bad = [i for i in head.config.aux_hidden_state_layers if not 0 <= i < tc.num_hidden_layers]
+    if bad:
+        raise ValueError(f"head {cfg.model!r} fuses target layers {bad}; the target has {tc.num_hidden_layers}")
     if (head.config.hidden_size, head.config.vocab_size) != (tc.hidden_size, tc.vocab_size):
         raise ValueError(f"head {cfg.model!r} has hidden size {head.config.hidden_size} and vocab "
                          f"{head.config.vocab_size}; the target has {tc.hidden_size} and {tc.vocab_size}")

@@ -61,6 +61,7 @@ class MTPProposer(ChainProposer):
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, target_vocab_size: int,
                  device: torch.device | str = "cpu"):
         self.head = head.eval()
+        self.aux_hidden_state_layers = head.config.aux_hidden_state_layers
         self.block_size = block_size
         self.vocab_size = target_vocab_size
         cfg = head.config

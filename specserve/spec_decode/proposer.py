@@ -46,13 +46,16 @@ class Proposer(ABC):
     """Proposes draft tokens for sequences whose prompt is fully computed.
 
     Class attributes: ``uses_target_hidden_states`` (the worker calls
-    :meth:`observe_target_hidden_states` after every target forward) and ``cheap_catch_up``
+    :meth:`observe_target_hidden_states` after every target forward), ``cheap_catch_up``
     (catching up over a whole prompt costs little, so the worker lets the proposer follow every
-    prompt and never leaves a sequence behind).
+    prompt and never leaves a sequence behind) and ``aux_hidden_state_layers`` (target layers whose
+    input residual stream the proposer reads too, EAGLE-3: the engine makes the target return
+    them after its final hidden states).
     """
 
     uses_target_hidden_states: bool = False
     cheap_catch_up: bool = False
+    aux_hidden_state_layers: tuple[int, ...] = ()
 
     def num_lookahead_tokens(self, k: int) -> int:
         """Cache slots a speculative step with k drafts may write past the newest token's: the
@@ -66,7 +69,8 @@ class Proposer(ABC):
 
     def observe_target_hidden_states(self, seq_id: int, first_position: int, hidden: torch.Tensor) -> None:
         """The target computed positions ``first_position ...`` of sequence ``seq_id``: their final
-        hidden states ``hidden [n, H]`` (only called when ``uses_target_hidden_states``)."""
+        hidden states ``hidden [n, H]``, followed by those of ``aux_hidden_state_layers`` when there
+        are any (``[n, (1 + layers) H]``; only called when ``uses_target_hidden_states``)."""
 
     @abstractmethod
     def num_computed_tokens(self, seq_id: int) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specserve.config import DEFAULT_MODEL, DTYPES
 from specserve.entrypoints.args import engine_args
+from specserve.models.draft_head import HEAD_VARIANTS
 from specserve.models.quantization import QUANTIZATIONS
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
 from specserve.training.trainer import TrainConfig
@@ -23,8 +24,9 @@ TRAIN_FLAGS = [
     ("num_steps", int, "optimizer steps"), ("batch_size", int, "segments per step (per process)"),
     ("lr", float, "peak learning rate"), ("warmup_steps", int, "linear warmup steps"),
     ("weight_decay", float, "AdamW weight decay"), ("max_grad_norm", float, "gradient clipping norm"),
-    ("hidden_loss_weight", float, "weight of the smooth-L1 hidden-state loss"),
-    ("ce_weight", float, "weight of the cross-entropy to the target's distribution"),
+    ("hidden_loss_weight", float, "weight of the smooth-L1 hidden-state loss (default: 1.0; 0.0 for eagle3)"),
+    ("ce_weight", float, "weight of the cross-entropy to the target's distribution (default: 0.1; 1.0 for eagle3)"),
+    ("max_train_tokens", int, "train on the first N tokens of the training split (data-scaling runs)"),
     ("unroll_steps", int, "train on the head's own outputs for this many steps"),
     ("intermediate_size", int, "the head's MLP width (default: the target's)"),
     ("draft_vocab_size", int, "score only the N most frequent tokens (default: all)"),
@@ -34,11 +36,22 @@ TRAIN_FLAGS = [
 
 def add_train_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_MODEL, help="the target model (default: %(default)s)")
-    p.add_argument("--variant", choices=["normed", "eagle"], default="normed")
+    p.add_argument("--variant", choices=list(HEAD_VARIANTS), default="normed",
+                   help="eagle3: fuses three target layers, own lm_head (EAGLE-3); eagle: EAGLE-1's head; "
+                        "normed: DeepSeek-V3's MTP module (default: %(default)s)")
+    p.add_argument("--aux-layers", default="auto",
+                   help="target layers whose input residual stream is precomputed too (comma-separated), "
+                        "'auto' (EAGLE-3's (2, L/2, L-3) for --variant eagle3, none otherwise) or 'none'")
+    p.add_argument("--precompute", choices=["auto", "only", "skip"], default="auto",
+                   help="auto: precompute what the data folder lacks, then train; only: stop after "
+                        "precomputing (a resumable piece of a long run); skip: train on the folder as it is")
+    p.add_argument("--own-lm-head", action="store_true",
+                   help="eagle3: train the head's own lm_head over the draft vocabulary (EAGLE-3's checkpoints "
+                        "have one) instead of scoring with the target's frozen rows")
     p.add_argument("--corpus", default="stdlib",
                    help=f"comma-separated corpora from {', '.join(CORPORA)} (default: %(default)s)")
     p.add_argument("--max-corpus-tokens", type=int, default=200_000,
-                   help="tokens of standard-library source at most (default: %(default)s)")
+                   help="tokens of each source-code corpus (stdlib, packages) at most (default: %(default)s)")
     p.add_argument("--self-distill-docs", type=int, default=None,
                    help="prompts to self-distill per specbench/humaneval corpus (default: all)")
     p.add_argument("--self-distill-tokens", type=int, default=256, help="tokens per self-distilled answer")
@@ -55,7 +68,7 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
     d = TrainConfig()
     for name, typ, help_ in TRAIN_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
-                       help=f"{help_} (default: %(default)s)")
+                       help=help_ if "(default" in help_ else f"{help_} (default: %(default)s)")
     p.add_argument("--eval-prompts", type=int, default=10,
                    help=f"held-out HumanEval prompts (of the first {HUMANEVAL_EVAL_PROMPTS}) for the engine "
                         "evaluation after training; 0 skips it (default: %(default)s)")
@@ -69,30 +82,40 @@ def _slug(name: str) -> str:
 
 def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_distill_docs: int | None,
                       self_distill_tokens: int, cache_dir: Path | None = None) -> list[tuple[str, list[int]]]:
-    """Every document of the chosen corpora, tokenized. Self-distilled documents (the slow part:
-    the target generates them) are kept in ``cache_dir`` and reused by a rerun with the same
-    settings."""
-    from specserve.training.corpus import self_distill_documents, stdlib_documents
+    """Every document of the chosen corpora, tokenized, interleaved in a stable order (any prefix
+    mixes the corpora). ``max_corpus_tokens`` bounds each source-code corpus. Self-distilled
+    documents (the slow part: the target generates them) are appended to a file in ``cache_dir``
+    as they are made and reused by a rerun with the same settings."""
+    from specserve.training.corpus import SOURCE_CORPORA, interleave, self_distill_documents, source_documents
 
     docs = []
     for c in corpora:
-        if c == "stdlib":
-            docs += list(stdlib_documents(llm.get_tokenizer(), max_tokens=max_corpus_tokens))
+        if c in SOURCE_CORPORA:
+            docs += list(source_documents(llm.get_tokenizer(), c, max_tokens=max_corpus_tokens))
             continue
         cache = None
         if cache_dir is not None:
-            cache = Path(cache_dir) / f"selfdistill_{c}_{self_distill_tokens}tok_{self_distill_docs or 'all'}.jsonl"
-        if cache is not None and cache.is_file():
-            docs += [(d["doc_id"], d["token_ids"]) for d in map(json.loads, cache.read_text().splitlines())]
-            continue
-        new = self_distill_documents(llm, c, self_distill_tokens, self_distill_docs)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps({"doc_id": d, "token_ids": ids}) + "\n" for d, ids in new))
-            tmp.replace(cache)
-        docs += new
-    return docs
+            cache = Path(cache_dir) / f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"
+        docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs, cache=cache)
+    return interleave(docs)
+
+
+def _aux_layers(value: str, variant: str, num_layers: int) -> tuple[int, ...]:
+    """``--aux-layers``: "auto", "none" or comma-separated layer indices, checked against the target."""
+    from specserve.models.draft_head import default_aux_layers
+
+    if value == "auto":
+        return default_aux_layers(num_layers) if variant == "eagle3" else ()
+    if value == "none":
+        return ()
+    try:
+        layers = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise ValueError(f"--aux-layers must be 'auto', 'none' or comma-separated integers, got {value!r}") from None
+    bad = [i for i in layers if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"--aux-layers {bad} out of range: the target has {num_layers} layers")
+    return layers
 
 
 def run_train_head(args: argparse.Namespace) -> int:
@@ -106,27 +129,38 @@ def run_train_head(args: argparse.Namespace) -> int:
     bad = [c for c in corpora if c not in CORPORA]
     if bad or not corpora:
         raise ValueError(f"--corpus must list some of {CORPORA}, got {args.corpus!r}")
-    cfg = TrainConfig(variant=args.variant, **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
+    cfg = TrainConfig(variant=args.variant, own_lm_head=args.own_lm_head,
+                      **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
     if not 0 <= args.eval_prompts <= HUMANEVAL_EVAL_PROMPTS:   # checked now, not after the training
         raise ValueError(f"--eval-prompts must be in [0, {HUMANEVAL_EVAL_PROMPTS}], got {args.eval_prompts}")
     data_dir = Path(args.data_dir or Path("head-data") / _slug(args.target))
     out = Path(args.out or Path("heads") / f"{_slug(args.target)}-{args.variant}")
+    corpus_spec = {"corpora": corpora, "max_corpus_tokens": args.max_corpus_tokens,
+                   "self_distill_docs": args.self_distill_docs, "self_distill_tokens": args.self_distill_tokens}
     try:
-        complete = read_manifest(data_dir).get("complete", False)
+        manifest = read_manifest(data_dir)
     except FileNotFoundError:
-        complete = False
-    if not complete:
+        manifest = None
+    # a folder is done for this command when complete for the same corpus (older folders: complete)
+    done = manifest is not None and manifest.get("complete", False) and manifest.get("corpus", corpus_spec) == corpus_spec
+    if args.precompute == "skip" or done:
+        if manifest is None:
+            raise ValueError(f"--precompute skip: no precomputed hidden states in {str(data_dir)!r}")
+        print(f"hidden states: reusing {data_dir} ({sum(s['num_tokens'] for s in manifest['shards']):,} tokens)",
+              flush=True)
+    else:
         llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None))
         mc = llm.llm_engine.model_config
         docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens,
                                  cache_dir=data_dir)
         settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k,
-                                     quantization=args.quantization)
+                                     quantization=args.quantization,
+                                     aux_layers=_aux_layers(args.aux_layers, args.variant, mc.num_hidden_layers))
         precompute_hidden_states(llm.llm_engine, docs, data_dir, settings,
-                                 total_tokens=sum(len(ids) for _, ids in docs))
+                                 total_tokens=sum(len(ids) for _, ids in docs), corpus=corpus_spec)
         del llm
-    else:
-        print(f"hidden states: reusing {data_dir}", flush=True)
+        if args.precompute == "only":
+            return 0
     loaded = load_model(args.target)
     w = loaded.weights
     embed = w["model.embed_tokens.weight"]

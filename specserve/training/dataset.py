@@ -2,8 +2,9 @@
 
 One example is one segment (see :mod:`specserve.training.hidden_states`) of L tokens
 ``x_0 .. x_{L-1}`` with target hidden states ``h_0 .. h_{L-1}`` and, at each position t, the
-top-k of the target's distribution of ``x_{t+1}``. Shards are read whole into memory (float16
-hidden states: 2 x hidden_size bytes per token).
+top-k of the target's distribution of ``x_{t+1}`` (and, for EAGLE-3 heads, the target's
+auxiliary-layer features). Shards are read whole into memory (float16 hidden states: 2 x
+hidden_size bytes per token, times 1 + the number of auxiliary layers when they are loaded).
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ class Batch:
     """``B`` segments padded to the longest, ``T`` positions.
 
     hidden_states ``[B, T, H]`` float32, input_ids ``[B, T]`` int64, topk_ids ``[B, T, K]`` int64,
-    topk_probs ``[B, T, K]`` float32, mask ``[B, T]`` bool (False on padding).
+    topk_probs ``[B, T, K]`` float32, mask ``[B, T]`` bool (False on padding), aux_hidden_states
+    ``[B, T, n * H]`` float32 or None.
     """
 
     hidden_states: torch.Tensor
@@ -29,10 +31,11 @@ class Batch:
     topk_ids: torch.Tensor
     topk_probs: torch.Tensor
     mask: torch.Tensor
+    aux_hidden_states: torch.Tensor | None = None
 
     def to(self, device) -> "Batch":
-        return Batch(*(getattr(self, f).to(device) for f in ("hidden_states", "input_ids", "topk_ids",
-                                                             "topk_probs", "mask")))
+        return Batch(*(None if getattr(self, f) is None else getattr(self, f).to(device)
+                       for f in ("hidden_states", "input_ids", "topk_ids", "topk_probs", "mask", "aux_hidden_states")))
 
 
 class HiddenStateDataset:
@@ -43,12 +46,14 @@ class HiddenStateDataset:
         split: ``"train"`` or ``"validation"``.
         val_fraction: share of documents (by id hash) in validation.
         max_tokens: stop adding segments after this many tokens (None: all).
+        load_aux: also load the auxiliary-layer features (EAGLE-3 heads).
     Raises:
-        FileNotFoundError: no manifest. ValueError: a bad split, or an empty split.
+        FileNotFoundError: no manifest. ValueError: a bad split, an empty split, or ``load_aux``
+        on a folder precomputed without auxiliary layers.
     """
 
     def __init__(self, data_dir: str | Path, split: str = "train", val_fraction: float = 0.05,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, load_aux: bool = False):
         from safetensors.torch import load_file
 
         if split not in ("train", "validation"):
@@ -56,6 +61,10 @@ class HiddenStateDataset:
         self.manifest = read_manifest(data_dir)
         self.settings = self.manifest["settings"]
         docs = self.manifest["documents"]
+        if load_aux and not self.settings.get("aux_layers"):
+            raise ValueError(f"{str(data_dir)!r} was precomputed without auxiliary layers (an EAGLE-3 head "
+                             "needs them): precompute with --aux-layers")
+        keys = ("hidden_states", "input_ids", "topk_ids", "topk_probs") + (("aux_hidden_states",) if load_aux else ())
         want_val = split == "validation"
         self.segments: list[dict[str, torch.Tensor]] = []
         self.doc_ids: list[str] = []
@@ -65,8 +74,7 @@ class HiddenStateDataset:
             start = 0
             for n, d in zip(t["seq_lens"].tolist(), t["seq_doc"].tolist()):
                 if is_validation(docs[d], val_fraction) == want_val:
-                    self.segments.append({k: t[k][start:start + n] for k in
-                                          ("hidden_states", "input_ids", "topk_ids", "topk_probs")})
+                    self.segments.append({k: t[k][start:start + n] for k in keys})
                     self.doc_ids.append(docs[d])
                     self.num_tokens += n
                 start += n
@@ -85,11 +93,15 @@ class HiddenStateDataset:
         segs = [self.segments[i] for i in indices]
         b, t = len(segs), max(s["input_ids"].shape[0] for s in segs)
         h, k = segs[0]["hidden_states"].shape[1], segs[0]["topk_ids"].shape[1]
+        aux = "aux_hidden_states" in segs[0]
         out = Batch(torch.zeros(b, t, h), torch.zeros(b, t, dtype=torch.int64),
-                    torch.zeros(b, t, k, dtype=torch.int64), torch.zeros(b, t, k), torch.zeros(b, t, dtype=torch.bool))
+                    torch.zeros(b, t, k, dtype=torch.int64), torch.zeros(b, t, k), torch.zeros(b, t, dtype=torch.bool),
+                    torch.zeros(b, t, segs[0]["aux_hidden_states"].shape[1]) if aux else None)
         for i, s in enumerate(segs):
             n = s["input_ids"].shape[0]
             out.hidden_states[i, :n] = s["hidden_states"].float()
+            if aux:
+                out.aux_hidden_states[i, :n] = s["aux_hidden_states"].float()
             out.input_ids[i, :n] = s["input_ids"].long()
             out.topk_ids[i, :n] = s["topk_ids"].long()
             out.topk_probs[i, :n] = s["topk_probs"].float()

@@ -6,6 +6,8 @@ see at inference. Each document is cut into segments of at most ``seq_len`` toke
 from position 0. Per token we store:
 
 * ``hidden_states`` ``[N, H]`` (float16): the final-norm output that feeds the lm_head;
+* ``aux_hidden_states`` ``[N, n * H]`` (float16), when ``aux_layers`` names n layers: the residual
+  stream entering each, which an EAGLE-3 head fuses (Li et al. 2025, section 3.2);
 * ``input_ids`` ``[N]`` int32;
 * ``topk_ids`` ``[N, K]`` int32 and ``topk_probs`` ``[N, K]`` float16: the target's K most likely
   next tokens and their probabilities (softmax at temperature 1). Full logits would be
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +38,10 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-def bytes_per_token(hidden_size: int, top_k: int) -> int:
-    """Storage per token: float16 hidden state, int32 id, top-k int32 ids and float16 probs."""
-    return 2 * hidden_size + 4 + top_k * (4 + 2)
+def bytes_per_token(hidden_size: int, top_k: int, num_aux_layers: int = 0) -> int:
+    """Storage per token: float16 hidden states (final and auxiliary), int32 id, top-k int32 ids
+    and float16 probs."""
+    return 2 * hidden_size * (1 + num_aux_layers) + 4 + top_k * (4 + 2)
 
 
 @dataclass
@@ -49,8 +53,10 @@ class PrecomputeSettings:
     top_k: int = 20
     shard_tokens: int = 65536
     quantization: str = "none"   # the target's, as served: hidden states of another differ
+    aux_layers: tuple[int, ...] = ()   # layers whose input residual stream is stored too (EAGLE-3)
 
     def __post_init__(self) -> None:
+        self.aux_layers = tuple(sorted(set(int(i) for i in self.aux_layers)))
         for name in ("seq_len", "top_k", "shard_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -62,6 +68,8 @@ class PrecomputeSettings:
              "seq_len": self.seq_len, "top_k": self.top_k}
         if self.quantization != "none":   # folders made before the field existed stay valid
             d["quantization"] = self.quantization
+        if self.aux_layers:
+            d["aux_layers"] = list(self.aux_layers)
         return d
 
 
@@ -82,15 +90,18 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
 class _ShardBuffer:
     def __init__(self):
         self.parts: dict[str, list[torch.Tensor]] = {k: [] for k in
-                                                     ("hidden_states", "input_ids", "topk_ids", "topk_probs")}
+                                                     ("hidden_states", "aux_hidden_states", "input_ids",
+                                                      "topk_ids", "topk_probs")}
         self.seq_lens: list[int] = []
         self.seq_doc: list[int] = []
         self.docs: list[str] = []
         self.num_tokens = 0
 
     def add(self, doc_index: int, hidden: torch.Tensor, ids: list[int], topk_ids: torch.Tensor,
-            topk_probs: torch.Tensor) -> None:
-        self.parts["hidden_states"].append(hidden.to(torch.float16))
+            topk_probs: torch.Tensor, hidden_size: int) -> None:
+        self.parts["hidden_states"].append(hidden[:, :hidden_size].to(torch.float16))
+        if hidden.shape[1] > hidden_size:
+            self.parts["aux_hidden_states"].append(hidden[:, hidden_size:].to(torch.float16))
         self.parts["input_ids"].append(torch.tensor(ids, dtype=torch.int32))
         self.parts["topk_ids"].append(topk_ids.to(torch.int32))
         self.parts["topk_probs"].append(topk_probs.to(torch.float16))
@@ -99,7 +110,7 @@ class _ShardBuffer:
         self.num_tokens += len(ids)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {k: torch.cat(v).contiguous() for k, v in self.parts.items()}
+        out = {k: torch.cat(v).contiguous() for k, v in self.parts.items() if v}
         out["seq_lens"] = torch.tensor(self.seq_lens, dtype=torch.int64)
         out["seq_doc"] = torch.tensor(self.seq_doc, dtype=torch.int64)
         return out
@@ -108,7 +119,8 @@ class _ShardBuffer:
 @contextmanager
 def segment_hidden_states(engine, segments: list[list[int]]):
     """Run ``segments`` (token id lists, each from position 0) through the engine's model runner in
-    one forward; yields the final hidden states ``[sum L, H]`` and frees the pages on exit."""
+    one forward; yields the model's hidden states ``[sum L, H]`` (wider with auxiliary layers, see
+    :meth:`~specserve.models.llama.LlamaForCausalLM.forward`) and frees the pages on exit."""
     bm, runner = engine.block_manager, engine.runner
     seq_ids = [-(i + 1) for i in range(len(segments))]   # negative: never a request's seq_id
     try:
@@ -126,7 +138,7 @@ def segment_hidden_states(engine, segments: list[list[int]]):
 
 @torch.inference_mode()
 def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: int = 256):
-    """Hidden states ``[sum L, H]`` and top-k of the next-token distribution of every token."""
+    """Hidden states ``[sum L, H (1 + aux)]`` and top-k of the next-token distribution of every token."""
     with segment_hidden_states(engine, segments) as hidden:
         ids, probs = [], []
         for start in range(0, hidden.shape[0], logits_chunk):
@@ -139,7 +151,8 @@ def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: i
 
 def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]], out_dir: str | Path,
                              settings: PrecomputeSettings, batch_tokens: int = 2048,
-                             total_tokens: int | None = None, progress: bool = True) -> dict:
+                             total_tokens: int | None = None, progress: bool = True,
+                             corpus: dict | None = None) -> dict:
     """Run the target over ``documents`` and write sharded safetensors into ``out_dir``.
 
     Args:
@@ -149,6 +162,7 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
         settings: segment length, top-k and shard size; must match an existing manifest.
         batch_tokens: tokens per target forward (segments are batched up to this).
         total_tokens: for the progress bar and size estimate (None: unknown).
+        corpus: what the documents are (recorded in the manifest: a folder is complete for a corpus).
     Returns:
         The manifest (also written to ``out_dir/manifest.json``).
     Raises:
@@ -164,29 +178,39 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
         if manifest["settings"] != settings.as_dict():
             raise ValueError(f"{out} holds hidden states made with {manifest['settings']}, "
                              f"not {settings.as_dict()}; use another folder")
+        manifest["complete"] = False   # until every document of this run is in
     else:
         manifest = {"version": FORMAT_VERSION, "settings": settings.as_dict(), "documents": [], "shards": [],
                     "complete": False}
         _write_json_atomic(path, manifest)
     done = set(manifest["documents"])
-    per_token = bytes_per_token(settings.hidden_size, settings.top_k)
+    per_token = bytes_per_token(settings.hidden_size, settings.top_k, len(settings.aux_layers))
+    engine.runner.model.aux_hidden_state_layers = settings.aux_layers
     if total_tokens is not None:
+        done_tokens = sum(s["num_tokens"] for s in manifest["shards"])
         print(f"hidden states: about {total_tokens:,} tokens x {per_token:,} bytes = "
               f"{total_tokens * per_token / 2**30:.2f} GiB in {out}"
-              + (f" ({len(done)} documents already done)" if done else ""), flush=True)
+              + (f" ({len(done)} documents, {done_tokens:,} tokens already done)" if done else ""), flush=True)
     bar = tqdm(total=total_tokens, unit="tok", desc="hidden states", disable=not progress)
     buf, pending, pending_tokens = _ShardBuffer(), [], 0
-    seen = set()
+    seen, timed = set(), []
 
     def flush_batch():
         nonlocal pending, pending_tokens
         if not pending:
             return
+        t0 = time.perf_counter()
         hidden, topk_ids, topk_probs = _run_segments(engine, [seg for _, seg in pending], settings.top_k)
+        if not timed and total_tokens is not None:   # the estimate, from the first batch's speed
+            timed.append(pending_tokens / (time.perf_counter() - t0))
+            left = total_tokens - bar.n
+            print(f"hidden states: {timed[0]:.0f} tokens/s, about {left / timed[0] / 60:.0f} min for the "
+                  f"{left:,} tokens left", flush=True)
         start = 0
         for doc_index, seg in pending:
             n = len(seg)
-            buf.add(doc_index, hidden[start:start + n], seg, topk_ids[start:start + n], topk_probs[start:start + n])
+            buf.add(doc_index, hidden[start:start + n], seg, topk_ids[start:start + n], topk_probs[start:start + n],
+                    settings.hidden_size)
             start += n
         bar.update(pending_tokens)
         pending, pending_tokens = [], 0
@@ -226,6 +250,9 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
             flush_shard()
     flush_shard()
     bar.close()
+    engine.runner.model.aux_hidden_state_layers = ()
     manifest["complete"] = True
+    if corpus is not None:
+        manifest["corpus"] = corpus
     _write_json_atomic(path, manifest)
     return manifest

@@ -1,16 +1,21 @@
-"""Train a draft head on precomputed target hidden states (EAGLE's objective).
+"""Train a draft head on precomputed target hidden states (EAGLE's and EAGLE-3's objectives).
 
 Loss per predicted position (Li et al. 2024, "EAGLE", section 4.2):
 
     hidden_loss_weight * SmoothL1(head hidden, target's next hidden state)
   + ce_weight * CE(target's next-token distribution, softmax(lm_head(head hidden)))
 
-with EAGLE's defaults 1.0 and 0.1. The target distribution is its stored top-k, renormalized over
-the tokens the head can score (all, or the reduced draft vocabulary). With ``unroll_steps`` > 1 the
-head is also trained on its own outputs: step j feeds step j-1's predicted hidden states (and
-the true next tokens) and predicts j positions further, as it will when drafting a chain. Within a
-step, attention is causal over that step's own inputs (an approximation: at inference earlier
-positions hold keys refilled from the target's hidden states).
+with EAGLE's defaults 1.0 and 0.1. An ``eagle3`` head is trained on the tokens only (Li et al.
+2025, "EAGLE-3", section 3: no feature regression; defaults 0.0 and 1.0): its output is not in
+the target's feature space. The target distribution is its stored top-k, renormalized over the
+tokens the head can score (all, or the reduced draft vocabulary).
+
+With ``unroll_steps`` > 1 the head is also trained on its own outputs (EAGLE-3's "training-time
+test"): step j feeds step j-1's predicted hidden states (and the true next tokens) and predicts j
+positions further, as it will when drafting a chain. Step j's attention sees what it will see at
+inference: the keys step 0 made from the target's features up to the accepted position, and the
+chain's own keys of steps 1 .. j at the same row
+(:func:`~specserve.models.draft_head._training_time_test_attention`).
 
 AdamW, linear warmup then cosine decay to ``min_lr_ratio`` of the peak, gradient clipping, float32.
 Several processes (``torchrun --nproc-per-node N -m specserve.entrypoints.cli train-head ...``)
@@ -51,9 +56,11 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     max_grad_norm: float = 0.5
-    hidden_loss_weight: float = 1.0
-    ce_weight: float = 0.1
+    hidden_loss_weight: float | None = None   # None: 1.0, and 0.0 for eagle3
+    ce_weight: float | None = None            # None: 0.1, and 1.0 for eagle3
     unroll_steps: int = 1
+    own_lm_head: bool = False                 # eagle3: train its own lm_head (saved with the head)
+    max_train_tokens: int | None = None       # the first N tokens of the training split (data scaling)
     val_fraction: float = 0.05
     eval_every: int = 250
     eval_chain: int = 4
@@ -63,6 +70,17 @@ class TrainConfig:
     save_dtype: str = "float16"
 
     def __post_init__(self) -> None:
+        eagle3 = self.variant == "eagle3"
+        if self.hidden_loss_weight is None:
+            self.hidden_loss_weight = 0.0 if eagle3 else 1.0
+        if self.ce_weight is None:
+            self.ce_weight = 1.0 if eagle3 else 0.1
+        if self.own_lm_head and not eagle3:
+            raise ValueError(f"own_lm_head is for variant 'eagle3', not {self.variant!r}")
+        if eagle3 and self.hidden_loss_weight:
+            raise ValueError("an eagle3 head has no target feature to regress to: hidden_loss_weight must be 0")
+        if self.max_train_tokens is not None and self.max_train_tokens < 1:
+            raise ValueError(f"max_train_tokens must be >= 1, got {self.max_train_tokens}")
         for name in ("num_steps", "batch_size", "unroll_steps", "eval_every", "eval_chain", "max_eval_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -122,19 +140,23 @@ def head_losses(head: DraftHead, batch: Batch, cfg: TrainConfig, target_to_draft
     steps = num_steps or cfg.unroll_steps
     b, t, _ = batch.hidden_states.shape
     total, stats = 0.0, []
-    prev = batch.hidden_states
+    prev = batch.aux_hidden_states if head.variant == "eagle3" else batch.hidden_states
+    ttt: list = []   # the keys / values of the steps so far (training-time test)
     for j in range(steps):
         n = t - 1 - j
         if n <= 0:
             break
         inputs = prev[:, :n]
         positions = torch.arange(j, t - 1, device=inputs.device).expand(b, n)   # of the input hidden states
-        pred = head(inputs, batch.input_ids[:, 1 + j:], positions)   # [B, n, H]
+        pred = head(inputs, batch.input_ids[:, 1 + j:], positions, ttt=ttt)   # [B, n, H]
         valid = batch.mask[:, 1 + j:]
         rows = valid.reshape(-1)
         p = pred.reshape(-1, pred.shape[-1])[rows]
-        hidden_loss = F.smooth_l1_loss(p, batch.hidden_states[:, 1 + j:].reshape(-1, p.shape[-1])[rows],
-                                       reduction="none").mean(-1)
+        if cfg.hidden_loss_weight:
+            hidden_loss = F.smooth_l1_loss(p, batch.hidden_states[:, 1 + j:].reshape(-1, p.shape[-1])[rows],
+                                           reduction="none").mean(-1)
+        else:
+            hidden_loss = p.new_zeros(p.shape[0])
         ids = batch.topk_ids[:, 1 + j:].reshape(-1, batch.topk_ids.shape[-1])[rows]
         probs = batch.topk_probs[:, 1 + j:].reshape(-1, batch.topk_probs.shape[-1])[rows]
         ce, top = chunked_ce(head, p, ids, probs, target_to_draft)
@@ -154,9 +176,9 @@ class HeadLoss(torch.nn.Module):
         super().__init__()
         self.head, self.cfg, self.target_to_draft = head, cfg, target_to_draft
 
-    def forward(self, hidden_states, input_ids, topk_ids, topk_probs, mask):
-        return head_losses(self.head, Batch(hidden_states, input_ids, topk_ids, topk_probs, mask), self.cfg,
-                           self.target_to_draft)
+    def forward(self, hidden_states, input_ids, topk_ids, topk_probs, mask, aux_hidden_states=None):
+        return head_losses(self.head, Batch(hidden_states, input_ids, topk_ids, topk_probs, mask, aux_hidden_states),
+                           self.cfg, self.target_to_draft)
 
 
 @torch.no_grad()
@@ -219,17 +241,22 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     """
     rank, world = _dist_info()
     torch.manual_seed(cfg.seed)
-    train = HiddenStateDataset(data_dir, "train", cfg.val_fraction)
-    val = HiddenStateDataset(data_dir, "validation", cfg.val_fraction)
+    eagle3 = cfg.variant == "eagle3"
+    train = HiddenStateDataset(data_dir, "train", cfg.val_fraction, cfg.max_train_tokens, load_aux=eagle3)
+    val = HiddenStateDataset(data_dir, "validation", cfg.val_fraction, load_aux=eagle3)
     st = train.settings
     if st["hidden_size"] != target_config.hidden_size or st["vocab_size"] != target_config.vocab_size:
         raise ValueError(f"{data_dir} was precomputed for {st['target']} (hidden {st['hidden_size']}, "
                          f"vocab {st['vocab_size']}), not this target")
-    head_cfg = DraftHeadConfig.for_target(target_config, cfg.variant, cfg.intermediate_size, cfg.draft_vocab_size)
+    head_cfg = DraftHeadConfig.for_target(target_config, cfg.variant, cfg.intermediate_size, cfg.draft_vocab_size,
+                                          aux_hidden_state_layers=tuple(st.get("aux_layers", ())),
+                                          own_lm_head=cfg.own_lm_head)
     head = DraftHead(head_cfg)
     if cfg.draft_vocab_size is not None:
         head.set_draft_vocab(frequent_token_vocab(train.token_counts(target_config.vocab_size), cfg.draft_vocab_size))
     head.to(device).attach_target(embed_weight.to(device, torch.float32), lm_head_weight.to(device, torch.float32))
+    if cfg.own_lm_head:
+        head.init_own_lm_head()
     target_to_draft = head.target_to_draft()
     model = HeadLoss(head, cfg, target_to_draft)
     if world > 1:
@@ -258,7 +285,8 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
         batch = train.batch(mine).to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss, stats = model(batch.hidden_states, batch.input_ids, batch.topk_ids, batch.topk_probs, batch.mask)
+        loss, stats = model(batch.hidden_states, batch.input_ids, batch.topk_ids, batch.topk_probs, batch.mask,
+                            batch.aux_hidden_states)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.max_grad_norm)
