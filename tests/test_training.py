@@ -256,3 +256,35 @@ def test_training_plot_from_logs(tmp_path):
     assert [r["step"] for r in read_log(log)] == [2, 4, 6]
     assert write_training_plot({"a": log, "b": log}, tmp_path / "p.png") is None
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_hidden_states_captured_while_generating_equal_a_second_pass(tiny_qwen2_dir, tmp_path):
+    """Self-distillation that keeps the target's hidden states as it generates (prefill chunks,
+    then each decode step) stores what a separate pass over prompt + answer computes, and the
+    later precompute skips those documents."""
+    from safetensors.torch import load_file
+
+    from specserve.sampling_params import SamplingParams
+    from specserve.training.hidden_states import generate_with_hidden_states, read_manifest
+
+    llm = LLM(tiny_qwen2_dir, max_num_batched_tokens=16)   # prompts prefill in several chunks
+    settings = _settings(llm, seq_len=24, top_k=4, aux_layers=(1,))
+    items = [("a", "def add(a, b):"), ("b", "import os\nimport sys\n\nclass Point:\n    x: int")]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    tokens = generate_with_hidden_states(llm, items, params, tmp_path / "cap", settings, progress=False)
+    want = llm.generate([p for _, p in items], params, use_tqdm=False)
+    assert [tokens[d] for d, _ in items] == [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in want]
+    precompute_hidden_states(llm.llm_engine, [(d, tokens[d][:-1]) for d, _ in items], tmp_path / "two",
+                             _settings(llm, seq_len=10**4, top_k=4, aux_layers=(1,)), progress=False)
+    cap = load_file(str(tmp_path / "cap" / read_manifest(tmp_path / "cap")["shards"][0]["file"]))
+    two = load_file(str(tmp_path / "two" / read_manifest(tmp_path / "two")["shards"][0]["file"]))
+    assert cap["seq_lens"].sum() == two["seq_lens"].sum() == sum(len(tokens[d]) - 1 for d, _ in items)
+    assert cap["seq_lens"].max() <= 24 < two["seq_lens"].max()
+    assert torch.equal(cap["input_ids"], two["input_ids"])
+    for key in ("hidden_states", "aux_hidden_states", "topk_probs"):
+        torch.testing.assert_close(cap[key].float(), two[key].float(), rtol=2e-3, atol=2e-3)
+    assert (cap["topk_ids"] == two["topk_ids"]).float().mean() > 0.99
+    # the rest of a corpus: captured documents are not computed again
+    manifest = precompute_hidden_states(llm.llm_engine, [(d, tokens[d]) for d, _ in items] + [("c", list(range(3, 40)))],
+                                        tmp_path / "cap", settings, progress=False)
+    assert manifest["complete"] and manifest["documents"] == ["a", "b", "c"] and len(manifest["shards"]) == 2

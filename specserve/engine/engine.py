@@ -93,6 +93,8 @@ class LLMEngine:
             self.model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
             self.worker = SpeculativeWorker(self.target_worker, proposer, self.spec_config)
         self.spec_stats = SpecDecodeStats()
+        # called with (requests, StepResult) for every step before it is committed (hidden-state capture)
+        self.step_observers: list = []
         self.requests: dict[str, list[Request]] = {}
         self.last_step_stats: StepStats | None = None
         self._seq_ids = itertools.count()
@@ -210,6 +212,8 @@ class LLMEngine:
         """Apply one step's result, the only place the engine's state changes after a step:
         progress in the KV cache, new tokens with their stop rules, the pages a verification
         reserved but did not use, statistics. Returns the requests that got tokens."""
+        for observe in self.step_observers:
+            observe(reqs, result)
         advanced = []
         for b, req in enumerate(reqs):
             req.num_computed_tokens += result.num_computed_tokens[b]

@@ -81,11 +81,13 @@ def _slug(name: str) -> str:
 
 
 def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_distill_docs: int | None,
-                      self_distill_tokens: int, cache_dir: Path | None = None) -> list[tuple[str, list[int]]]:
+                      self_distill_tokens: int, cache_dir: Path | None = None,
+                      capture=None) -> list[tuple[str, list[int]]]:
     """Every document of the chosen corpora, tokenized, interleaved in a stable order (any prefix
     mixes the corpora). ``max_corpus_tokens`` bounds each source-code corpus. Self-distilled
     documents (the slow part: the target generates them) are appended to a file in ``cache_dir``
-    as they are made and reused by a rerun with the same settings."""
+    as they are made and reused by a rerun with the same settings; with ``capture`` (``(folder,
+    PrecomputeSettings)``) their hidden states are kept while they are generated."""
     from specserve.training.corpus import SOURCE_CORPORA, interleave, self_distill_documents, source_documents
 
     docs = []
@@ -96,7 +98,7 @@ def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_dist
         cache = None
         if cache_dir is not None:
             cache = Path(cache_dir) / f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"
-        docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs, cache=cache)
+        docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs, cache=cache, capture=capture)
     return interleave(docs)
 
 
@@ -151,11 +153,11 @@ def run_train_head(args: argparse.Namespace) -> int:
     else:
         llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None))
         mc = llm.llm_engine.model_config
-        docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens,
-                                 cache_dir=data_dir)
         settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k,
                                      quantization=args.quantization,
                                      aux_layers=_aux_layers(args.aux_layers, args.variant, mc.num_hidden_layers))
+        docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens,
+                                 cache_dir=data_dir, capture=(data_dir, settings))
         precompute_hidden_states(llm.llm_engine, docs, data_dir, settings,
                                  total_tokens=sum(len(ids) for _, ids in docs), corpus=corpus_spec)
         del llm

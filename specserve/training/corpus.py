@@ -149,7 +149,7 @@ def self_distill_prompts(llm, corpus: str) -> list[tuple[str, str]]:
 
 def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_docs: int | None = None,
                            use_tqdm: bool = True, cache: str | Path | None = None,
-                           chunk: int = 32) -> list[Document]:
+                           chunk: int = 32, capture=None) -> list[Document]:
     """Documents of prompt + the target's own greedy answer, generated through ``llm`` (an ``LLM``).
 
     Args:
@@ -159,6 +159,9 @@ def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_
         max_docs: how many prompts to use (None: all).
         cache: a ``.jsonl`` file: answers already there are read back, new ones are appended
             ``chunk`` prompts at a time, so an interrupted run loses at most one chunk.
+        capture: ``(folder, PrecomputeSettings)``: keep the target's hidden states of every
+            position while generating, in that folder
+            (:func:`~specserve.training.hidden_states.generate_with_hidden_states`): no second pass.
     Raises:
         ValueError: an unknown corpus.
     """
@@ -179,11 +182,20 @@ def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_
     params = SamplingParams(temperature=0, max_tokens=max_tokens_per_doc)
     for s in range(0, len(todo), chunk if cache is not None else max(len(todo), 1)):
         part = todo[s:s + (chunk if cache is not None else len(todo))]
-        outs = llm.generate([p for _, p in part], params, use_tqdm=use_tqdm)
-        new = {doc_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for (doc_id, _), o in zip(part, outs)}
+        if capture is not None:
+            from specserve.training.hidden_states import generate_with_hidden_states
+
+            new = generate_with_hidden_states(llm, part, params, capture[0], capture[1], chunk=len(part),
+                                              progress=False)
+        else:
+            outs = llm.generate([p for _, p in part], params, use_tqdm=use_tqdm)
+            new = {doc_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
+                   for (doc_id, _), o in zip(part, outs)}
         have.update(new)
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             with open(cache, "a") as f:
                 f.write("".join(json.dumps({"doc_id": d, "token_ids": ids}) + "\n" for d, ids in new.items()))
-    return [(doc_id, have[doc_id]) for doc_id, _ in items]
+    # (a document captured into the folder just before an interruption, but not yet cached, is
+    # in the folder though not listed here)
+    return [(doc_id, have[doc_id]) for doc_id, _ in items if doc_id in have]

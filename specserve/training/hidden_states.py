@@ -149,6 +149,77 @@ def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: i
         return hidden.float(), torch.cat(ids), torch.cat(probs)
 
 
+class HiddenStateWriter:
+    """Appends documents' hidden states to a folder as whole shards (see the module docstring).
+
+    Args:
+        out_dir: the folder; an existing manifest must have the same ``settings`` (and is
+            marked incomplete until :meth:`close`).
+        corpus: what the documents are (recorded in the manifest when closed complete).
+    Raises:
+        ValueError: the folder holds data made with other settings.
+    """
+
+    def __init__(self, out_dir: str | Path, settings: PrecomputeSettings, corpus: dict | None = None):
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path = self.out / MANIFEST
+        self.settings, self.corpus = settings, corpus
+        if self.path.is_file():
+            manifest = json.loads(self.path.read_text())
+            if manifest["settings"] != settings.as_dict():
+                raise ValueError(f"{self.out} holds hidden states made with {manifest['settings']}, "
+                                 f"not {settings.as_dict()}; use another folder")
+            manifest["complete"] = False   # until every document of this run is in
+        else:
+            manifest = {"version": FORMAT_VERSION, "settings": settings.as_dict(), "documents": [], "shards": [],
+                        "complete": False}
+        self.manifest = manifest
+        _write_json_atomic(self.path, manifest)
+        self.done = set(manifest["documents"])
+        self.buf = _ShardBuffer()
+
+    @property
+    def num_tokens_done(self) -> int:
+        return sum(s["num_tokens"] for s in self.manifest["shards"])
+
+    def start_document(self, doc_id: str) -> int:
+        """Register ``doc_id`` for the shard being filled; returns its index in the manifest."""
+        index = len(self.manifest["documents"]) + len(self.buf.docs)
+        self.buf.docs.append(doc_id)
+        return index
+
+    def add_segment(self, doc_index: int, ids: list[int], hidden: torch.Tensor, topk_ids: torch.Tensor,
+                    topk_probs: torch.Tensor) -> None:
+        """One segment: ``ids [L]``, the model's ``hidden [L, H (1 + aux)]`` and the top-k."""
+        self.buf.add(doc_index, hidden, ids, topk_ids, topk_probs, self.settings.hidden_size)
+
+    def flush_shard(self) -> None:
+        """Write the buffered documents as one shard and list them in the manifest."""
+        from safetensors.torch import save_file
+
+        if not self.buf.num_tokens:
+            return
+        name = f"shard_{len(self.manifest['shards']):05d}.safetensors"
+        tmp = self.out / (name + ".tmp")
+        save_file(self.buf.tensors(), str(tmp))
+        os.replace(tmp, self.out / name)
+        self.manifest["documents"].extend(self.buf.docs)
+        self.done.update(self.buf.docs)
+        self.manifest["shards"].append({"file": name, "num_tokens": self.buf.num_tokens,
+                                        "num_seqs": len(self.buf.seq_lens)})
+        _write_json_atomic(self.path, self.manifest)
+        self.buf = _ShardBuffer()
+
+    def close(self, complete: bool) -> dict:
+        self.flush_shard()
+        self.manifest["complete"] = complete
+        if complete and self.corpus is not None:
+            self.manifest["corpus"] = self.corpus
+        _write_json_atomic(self.path, self.manifest)
+        return self.manifest
+
+
 def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]], out_dir: str | Path,
                              settings: PrecomputeSettings, batch_tokens: int = 2048,
                              total_tokens: int | None = None, progress: bool = True,
@@ -158,7 +229,8 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
     Args:
         engine: an :class:`~specserve.engine.engine.LLMEngine` holding the target (no requests
             may run on it meanwhile: its page pool is borrowed).
-        documents: ``(doc_id, token_ids)`` pairs; ids must be unique.
+        documents: ``(doc_id, token_ids)`` pairs; ids must be unique. Documents already in the
+            folder (an interrupted run, or captured while generating) are skipped.
         settings: segment length, top-k and shard size; must match an existing manifest.
         batch_tokens: tokens per target forward (segments are batched up to this).
         total_tokens: for the progress bar and size estimate (None: unknown).
@@ -168,31 +240,17 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
     Raises:
         ValueError: the folder holds data made with other settings, or a duplicate doc_id.
     """
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / MANIFEST
-    if path.is_file():
-        manifest = json.loads(path.read_text())
-        if manifest["settings"] != settings.as_dict():
-            raise ValueError(f"{out} holds hidden states made with {manifest['settings']}, "
-                             f"not {settings.as_dict()}; use another folder")
-        manifest["complete"] = False   # until every document of this run is in
-    else:
-        manifest = {"version": FORMAT_VERSION, "settings": settings.as_dict(), "documents": [], "shards": [],
-                    "complete": False}
-        _write_json_atomic(path, manifest)
-    done = set(manifest["documents"])
+    writer = HiddenStateWriter(out_dir, settings, corpus)
+    done = writer.done
     per_token = bytes_per_token(settings.hidden_size, settings.top_k, len(settings.aux_layers))
     engine.runner.model.aux_hidden_state_layers = settings.aux_layers
     if total_tokens is not None:
-        done_tokens = sum(s["num_tokens"] for s in manifest["shards"])
         print(f"hidden states: about {total_tokens:,} tokens x {per_token:,} bytes = "
-              f"{total_tokens * per_token / 2**30:.2f} GiB in {out}"
-              + (f" ({len(done)} documents, {done_tokens:,} tokens already done)" if done else ""), flush=True)
+              f"{total_tokens * per_token / 2**30:.2f} GiB in {writer.out}"
+              + (f" ({len(done)} documents, {writer.num_tokens_done:,} tokens already done)" if done else ""),
+              flush=True)
     bar = tqdm(total=total_tokens, unit="tok", desc="hidden states", disable=not progress)
-    buf, pending, pending_tokens = _ShardBuffer(), [], 0
+    pending, pending_tokens = [], 0
     seen, timed = set(), []
 
     def flush_batch():
@@ -209,50 +267,114 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
         start = 0
         for doc_index, seg in pending:
             n = len(seg)
-            buf.add(doc_index, hidden[start:start + n], seg, topk_ids[start:start + n], topk_probs[start:start + n],
-                    settings.hidden_size)
+            writer.add_segment(doc_index, seg, hidden[start:start + n], topk_ids[start:start + n],
+                               topk_probs[start:start + n])
             start += n
         bar.update(pending_tokens)
         pending, pending_tokens = [], 0
 
-    def flush_shard():
-        nonlocal buf
-        flush_batch()
-        if not buf.num_tokens:
-            return
-        name = f"shard_{len(manifest['shards']):05d}.safetensors"
-        tmp = out / (name + ".tmp")
-        save_file(buf.tensors(), str(tmp))
-        os.replace(tmp, out / name)
-        manifest["documents"].extend(buf.docs)
-        manifest["shards"].append({"file": name, "num_tokens": buf.num_tokens, "num_seqs": len(buf.seq_lens)})
-        _write_json_atomic(path, manifest)
-        buf = _ShardBuffer()
-
-    for doc_id, ids in documents:
-        if doc_id in seen:
-            raise ValueError(f"duplicate document id {doc_id!r}")
-        seen.add(doc_id)
-        if doc_id in done:
-            bar.update(len(ids))
-            continue
-        doc_index = len(manifest["documents"]) + len(buf.docs)
-        buf.docs.append(doc_id)
-        for s in range(0, len(ids), settings.seq_len):
-            seg = list(ids[s:s + settings.seq_len])
-            if len(seg) < 2:
+    try:
+        for doc_id, ids in documents:
+            if doc_id in seen:
+                raise ValueError(f"duplicate document id {doc_id!r}")
+            seen.add(doc_id)
+            if doc_id in done:
+                bar.update(len(ids))
                 continue
-            if pending_tokens + len(seg) > batch_tokens:
+            doc_index = writer.start_document(doc_id)
+            for s in range(0, len(ids), settings.seq_len):
+                seg = list(ids[s:s + settings.seq_len])
+                if len(seg) < 2:
+                    continue
+                if pending_tokens + len(seg) > batch_tokens:
+                    flush_batch()
+                pending.append((doc_index, seg))
+                pending_tokens += len(seg)
+            if writer.buf.num_tokens + pending_tokens >= settings.shard_tokens:
                 flush_batch()
-            pending.append((doc_index, seg))
-            pending_tokens += len(seg)
-        if buf.num_tokens + pending_tokens >= settings.shard_tokens:
-            flush_shard()
-    flush_shard()
-    bar.close()
-    engine.runner.model.aux_hidden_state_layers = ()
-    manifest["complete"] = True
-    if corpus is not None:
-        manifest["corpus"] = corpus
-    _write_json_atomic(path, manifest)
-    return manifest
+                writer.flush_shard()
+        flush_batch()
+    finally:
+        bar.close()
+        engine.runner.model.aux_hidden_state_layers = ()
+    return writer.close(complete=True)
+
+
+class _CapturedSequence:
+    def __init__(self):
+        self.hidden: list[torch.Tensor] = []
+        self.topk_ids: list[torch.Tensor] = []
+        self.topk_probs: list[torch.Tensor] = []
+
+
+def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_dir: str | Path,
+                                settings: PrecomputeSettings, chunk: int = 32, progress: bool = True) -> dict[str, list[int]]:
+    """Self-distillation that keeps what it computes: generate answers to ``items`` (``(doc_id,
+    prompt text)``) and store, as the target computes them (prefill chunks, then each decode
+    step), the hidden states and next-token top-k of every position, so the documents need no
+    second pass through :func:`precompute_hidden_states` (half the target's work for them).
+
+    A document is the prompt and the answer, less the last answer token (the target never ran on
+    it). Its positions keep their whole context; it is stored as ``seq_len`` segments. ``chunk``
+    prompts run at a time, each chunk a shard: an interrupted run keeps the chunks written and
+    skips their documents when rerun.
+
+    Args:
+        llm: an ``LLM`` without speculation (no other requests may run on it meanwhile).
+        params: the ``SamplingParams`` of the answers (greedy for self-distillation).
+    Returns:
+        ``{doc_id: token ids}`` of the documents now in the folder (the answers included).
+    """
+    engine = llm.llm_engine
+    if engine.spec_config is not None:
+        raise ValueError("generate_with_hidden_states needs an engine without speculation")
+    writer = HiddenStateWriter(out_dir, settings)
+    todo = [it for it in items if it[0] not in writer.done]
+    model, top_k = engine.runner.model, settings.top_k
+    captured: dict[int, _CapturedSequence] = {}   # by seq_id
+
+    def observe(reqs, result):   # called before the step's tokens are committed
+        for b, req in enumerate(reqs):
+            cap, rows = captured.get(req.seq_id), result.hidden_rows[b]
+            if cap is None or not len(rows):
+                continue
+            hidden = result.hidden_states[rows.start:rows.stop]
+            with torch.inference_mode():
+                p, i = torch.softmax(model.compute_logits(hidden), dim=-1).topk(top_k, dim=-1)
+            cap.hidden.append(hidden.to(torch.float16))
+            cap.topk_ids.append(i.to(torch.int32))
+            cap.topk_probs.append(p.to(torch.float16))
+
+    tokens_of: dict[str, list[int]] = {}
+    model.aux_hidden_state_layers = settings.aux_layers
+    engine.step_observers.append(observe)
+    try:
+        for s in tqdm(range(0, len(todo), chunk), desc="self-distillation + hidden states", disable=not progress):
+            part, seq_of = todo[s:s + chunk], {}
+            for doc_id, prompt in part:
+                rid = engine.add_request(f"capture/{doc_id}", prompt, params)
+                seq_of[doc_id] = engine.requests[rid][0].seq_id
+                captured[seq_of[doc_id]] = _CapturedSequence()
+            outs = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        outs[out.request_id] = out
+            for doc_id, _ in part:
+                out, cap = outs[f"capture/{doc_id}"], captured.pop(seq_of[doc_id])
+                tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+                tokens_of[doc_id] = tokens
+                hidden, ids_k, probs_k = (torch.cat(x) for x in (cap.hidden, cap.topk_ids, cap.topk_probs))
+                n = min(hidden.shape[0], len(tokens) - 1)   # the last token was never fed to the target
+                index = writer.start_document(doc_id)
+                for a in range(0, n, settings.seq_len):
+                    b = min(n, a + settings.seq_len)
+                    if b - a >= 2:
+                        writer.add_segment(index, tokens[a:b], hidden[a:b], ids_k[a:b], probs_k[a:b])
+            writer.flush_shard()
+    finally:
+        engine.step_observers.remove(observe)
+        model.aux_hidden_state_layers = ()
+        captured.clear()
+    writer.close(complete=False)   # complete once the rest of the corpus is precomputed
+    return tokens_of
