@@ -288,3 +288,26 @@ def test_hidden_states_captured_while_generating_equal_a_second_pass(tiny_qwen2_
     manifest = precompute_hidden_states(llm.llm_engine, [(d, tokens[d]) for d, _ in items] + [("c", list(range(3, 40)))],
                                         tmp_path / "cap", settings, progress=False)
     assert manifest["complete"] and manifest["documents"] == ["a", "b", "c"] and len(manifest["shards"]) == 2
+
+
+def test_train_head_flags_take_each_variants_loss_defaults():
+    from specserve.entrypoints.cli import build_parser
+    from specserve.training.commands import train_config
+
+    parse = lambda *a: train_config(build_parser().parse_args(["train-head", *a]))
+    c = parse("--variant", "eagle3", "--own-lm-head", "--max-train-tokens", "5000")
+    assert (c.hidden_loss_weight, c.ce_weight, c.own_lm_head, c.max_train_tokens) == (0.0, 1.0, True, 5000)
+    c = parse("--variant", "normed")
+    assert (c.hidden_loss_weight, c.ce_weight) == (1.0, 0.1)
+    assert parse("--variant", "eagle", "--ce-weight", "0.5").ce_weight == 0.5
+    with pytest.raises(ValueError, match="hidden_loss_weight must be 0"):
+        parse("--variant", "eagle3", "--hidden-loss-weight", "1")
+
+
+def test_engine_evaluation_checks_its_prompt_counts_first():
+    from specserve.training.commands import _eval
+
+    with pytest.raises(ValueError, match=r"--specbench-prompts must be in \[0, 48\]"):
+        _eval("no-such-target", "no-such-head", 10, 4, 64, "float32", num_specbench=49)
+    with pytest.raises(ValueError, match=r"must be in \[1, 40\]"):
+        _eval("no-such-target", "no-such-head", 41, 4, 64, "float32")

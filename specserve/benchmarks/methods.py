@@ -32,13 +32,6 @@ def parse_methods(text: str) -> list[str]:
     return methods
 
 
-def default_head(model: str) -> str | None:
-    """A shipped head trained for ``model`` (its folder name starts with the model's), if any."""
-    from specserve.models.registry import builtin_heads
-
-    return next((h for h in builtin_heads() if h.startswith(model)), None)
-
-
 def method_config(method: str, args: argparse.Namespace) -> dict | None:
     """The ``speculative_config`` of one method row (None for ``none``)."""
     from specserve.config import DEFAULT_DRAFT
@@ -51,7 +44,9 @@ def method_config(method: str, args: argparse.Namespace) -> dict | None:
     if method == "draft_model":
         return {"method": "draft_model", "model": args.speculative_model or DEFAULT_DRAFT,
                 "num_speculative_tokens": k, "adaptive": False, "draft_quantization": args.draft_quantization}
-    head = args.head or default_head(args.model)
+    from specserve.models.registry import shipped_head_for
+
+    head = args.head or shipped_head_for(args.model)
     if head is None:
         raise ValueError(f"--methods {method} needs a draft head for {args.model!r}: pass --head")
     if method == "mtp":

@@ -8,7 +8,9 @@ the engine's speculative path on held-out HumanEval prompts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 from pathlib import Path
 
 from specserve.config import DEFAULT_MODEL, DTYPES
@@ -62,12 +64,15 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="the target's dtype for precomputation")
+    p.add_argument("--device", default="cpu",
+                   help="where the target precomputes and the head trains: cpu, cuda (under torchrun each "
+                        "process takes cuda:LOCAL_RANK) (default: %(default)s)")
     p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
                    help="the target's linears while precomputing hidden states: train on the target as it "
                         "is served (default: %(default)s)")
-    d = TrainConfig()
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}   # before per-variant defaults
     for name, typ, help_ in TRAIN_FLAGS:
-        p.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
+        p.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name],
                        help=help_ if "(default" in help_ else f"{help_} (default: %(default)s)")
     p.add_argument("--eval-prompts", type=int, default=10,
                    help=f"held-out HumanEval prompts (of the first {HUMANEVAL_EVAL_PROMPTS}) for the engine "
@@ -102,6 +107,12 @@ def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_dist
     return interleave(docs)
 
 
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` the flags of :func:`add_train_head_args` describe."""
+    return TrainConfig(variant=args.variant, own_lm_head=args.own_lm_head,
+                       **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
+
+
 def _aux_layers(value: str, variant: str, num_layers: int) -> tuple[int, ...]:
     """``--aux-layers``: "auto", "none" or comma-separated layer indices, checked against the target."""
     from specserve.models.draft_head import default_aux_layers
@@ -131,8 +142,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     bad = [c for c in corpora if c not in CORPORA]
     if bad or not corpora:
         raise ValueError(f"--corpus must list some of {CORPORA}, got {args.corpus!r}")
-    cfg = TrainConfig(variant=args.variant, own_lm_head=args.own_lm_head,
-                      **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
+    cfg = train_config(args)
     if not 0 <= args.eval_prompts <= HUMANEVAL_EVAL_PROMPTS:   # checked now, not after the training
         raise ValueError(f"--eval-prompts must be in [0, {HUMANEVAL_EVAL_PROMPTS}], got {args.eval_prompts}")
     data_dir = Path(args.data_dir or Path("head-data") / _slug(args.target))
@@ -151,7 +161,7 @@ def run_train_head(args: argparse.Namespace) -> int:
         print(f"hidden states: reusing {data_dir} ({sum(s['num_tokens'] for s in manifest['shards']):,} tokens)",
               flush=True)
     else:
-        llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None))
+        llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None, device=args.device))
         mc = llm.llm_engine.model_config
         settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k,
                                      quantization=args.quantization,
@@ -166,7 +176,10 @@ def run_train_head(args: argparse.Namespace) -> int:
     loaded = load_model(args.target)
     w = loaded.weights
     embed = w["model.embed_tokens.weight"]
-    summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg)
+    device = args.device
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+    summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg, device=device)
     del loaded, w, embed, head
     note = write_training_plot({args.variant: out / "train_log.jsonl"}, out / "train_curves.png")
     if note:
@@ -177,23 +190,37 @@ def run_train_head(args: argparse.Namespace) -> int:
           f"chain top-1 {[round(x, 3) for x in after['chain_top1']]}, {summary['seconds']:.0f} s", flush=True)
     if args.eval_prompts > 0:
         result = _eval(args.target, str(out), args.eval_prompts, args.num_speculative_tokens, args.eval_max_tokens,
-                       args.dtype)
+                       args.dtype, args.quantization)
         summary["engine_eval"] = result
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
 
 
-def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str) -> dict:
+def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str,
+          quantization: str = "none", num_specbench: int = 0) -> dict:
     from specserve.benchmarks.bench import humaneval_prompts
+    from specserve.training.corpus import spec_bench_eval_questions
     from specserve.training.evaluate import evaluate_head_in_engine
 
     if not 1 <= num_prompts <= HUMANEVAL_EVAL_PROMPTS:
         raise ValueError(f"the number of evaluation prompts (--eval-prompts / --num-prompts) must be in "
                          f"[1, {HUMANEVAL_EVAL_PROMPTS}] (the held-out HumanEval prompts), got {num_prompts}")
-    result = evaluate_head_in_engine(target, head, humaneval_prompts(num_prompts), k, max_tokens, dtype)
-    print(f"engine evaluation ({num_prompts} held-out HumanEval prompts, k={k}, greedy): acceptance length "
-          f"{result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, chain accuracy "
-          f"{[round(x, 3) for x in result['chain_accuracy']]}", flush=True)
+    held_out = spec_bench_eval_questions()
+    if not 0 <= num_specbench <= len(held_out):
+        raise ValueError(f"--specbench-prompts must be in [0, {len(held_out)}] (the held-out questions), got {num_specbench}")
+    prompts = humaneval_prompts(num_prompts)
+    if num_specbench:
+        from specserve.models.loader import load_tokenizer
+
+        tok = load_tokenizer(target)
+        step = len(held_out) // num_specbench
+        prompts += [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+                    for _, q in held_out[::step][:num_specbench]]
+    result = evaluate_head_in_engine(target, head, prompts, k, max_tokens, dtype, quantization=quantization)
+    result["num_specbench_prompts"] = num_specbench
+    print(f"engine evaluation ({num_prompts} held-out HumanEval prompts + {num_specbench} Spec-Bench, k={k}, greedy, "
+          f"target {quantization}): acceptance length {result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, "
+          f"chain accuracy {[round(x, 3) for x in result['chain_accuracy']]}", flush=True)
     return result
 
 
@@ -205,6 +232,10 @@ def add_eval_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
+                   help="the target's linears (evaluate a head on the target it was trained on; default: %(default)s)")
+    p.add_argument("--specbench-prompts", type=int, default=0,
+                   help="also this many held-out Spec-Bench questions, through the chat template (default: %(default)s)")
     p.add_argument("--data-dir", default=None, help="precomputed hidden states: also report the validation loss")
     p.add_argument("--val-fraction", type=float, default=TrainConfig.val_fraction)
     p.add_argument("--json", default=None, help="write the results here")
@@ -217,7 +248,7 @@ def run_eval_head(args: argparse.Namespace) -> int:
 
     result = {"target": args.target, "head": args.head,
               "engine": _eval(args.target, args.head, args.num_prompts, args.num_speculative_tokens,
-                              args.max_tokens, args.dtype)}
+                              args.max_tokens, args.dtype, args.quantization, args.specbench_prompts)}
     if args.data_dir:
         from specserve.training.dataset import HiddenStateDataset
         from specserve.training.trainer import evaluate
@@ -229,7 +260,8 @@ def run_eval_head(args: argparse.Namespace) -> int:
         head.attach_target(w["model.embed_tokens.weight"].float(),
                            w.get("lm_head.weight", w["model.embed_tokens.weight"]).float())
         cfg = TrainConfig(variant=head.config.variant, eval_chain=args.num_speculative_tokens)
-        val = HiddenStateDataset(args.data_dir, "validation", args.val_fraction)
+        val = HiddenStateDataset(args.data_dir, "validation", args.val_fraction,
+                                 load_aux=head.config.variant == "eagle3")
         result["validation"] = evaluate(head, val, cfg, head.target_to_draft())
         v = result["validation"]
         print(f"validation ({val.num_tokens} tokens): loss {v['loss']:.4f}, top-1 {v['top1']:.3f}, "

@@ -180,13 +180,17 @@ def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_
             have[d["doc_id"]] = d["token_ids"]
     todo = [it for it in items if it[0] not in have]
     params = SamplingParams(temperature=0, max_tokens=max_tokens_per_doc)
+    if todo:
+        print(f"self-distillation ({corpus}): {len(todo)} prompts x up to {max_tokens_per_doc} tokens to generate"
+              + (f" ({len(items) - len(todo)} already done)" if len(todo) < len(items) else "")
+              + (", keeping the target's hidden states" if capture is not None else ""), flush=True)
     for s in range(0, len(todo), chunk if cache is not None else max(len(todo), 1)):
         part = todo[s:s + (chunk if cache is not None else len(todo))]
         if capture is not None:
             from specserve.training.hidden_states import generate_with_hidden_states
 
             new = generate_with_hidden_states(llm, part, params, capture[0], capture[1], chunk=len(part),
-                                              progress=False)
+                                              progress=use_tqdm)
         else:
             outs = llm.generate([p for _, p in part], params, use_tqdm=use_tqdm)
             new = {doc_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids)

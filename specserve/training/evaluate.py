@@ -24,7 +24,8 @@ def conditional_acceptance(chain: list[float]) -> list[float]:
 
 
 def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_speculative_tokens: int = 4,
-                            max_tokens: int = 64, dtype: str = "float32", llm=None) -> dict:
+                            max_tokens: int = 64, dtype: str = "float32", llm=None,
+                            quantization: str = "none") -> dict:
     """Generate greedily with the head drafting; returns acceptance metrics and checks exactness.
 
     Args:
@@ -32,6 +33,7 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
         head: the head's folder or shipped name.
         prompts: held-out prompts (raw text).
         llm: an already built ``LLM`` with this head (tests); otherwise one is built.
+        quantization: the target's (a head trained on the int4 target's features drafts for it).
     Returns:
         ``{"acceptance_length", "top1", "per_position_acceptance", "chain_accuracy", "num_verify_steps",
         "num_draft_tokens", "num_accepted_tokens", "output_tokens"}``.
@@ -39,7 +41,7 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
     from specserve.entrypoints.llm import LLM
 
     if llm is None:
-        llm = LLM(target, dtype=dtype, speculative_config={"method": "mtp", "model": head, "adaptive": False,
+        llm = LLM(target, dtype=dtype, quantization=quantization, speculative_config={"method": "mtp", "model": head, "adaptive": False,
                                                            "num_speculative_tokens": num_speculative_tokens})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)
     st = llm.llm_engine.spec_stats

@@ -349,7 +349,9 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
     model.aux_hidden_state_layers = settings.aux_layers
     engine.step_observers.append(observe)
     try:
-        for s in tqdm(range(0, len(todo), chunk), desc="self-distillation + hidden states", disable=not progress):
+        bar = tqdm(total=len(todo) * params.max_tokens, unit="tok", desc="self-distillation + hidden states",
+                   disable=not progress)
+        for s in range(0, len(todo), chunk):
             part, seq_of = todo[s:s + chunk], {}
             for doc_id, prompt in part:
                 rid = engine.add_request(f"capture/{doc_id}", prompt, params)
@@ -358,6 +360,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
             outs = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():
+                    bar.update(1)   # a plain step gives each advancing request one token
                     if out.finished:
                         outs[out.request_id] = out
             for doc_id, _ in part:
@@ -372,6 +375,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
                     if b - a >= 2:
                         writer.add_segment(index, tokens[a:b], hidden[a:b], ids_k[a:b], probs_k[a:b])
             writer.flush_shard()
+        bar.close()
     finally:
         engine.step_observers.remove(observe)
         model.aux_hidden_state_layers = ()

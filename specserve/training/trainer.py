@@ -193,7 +193,7 @@ def evaluate(head: DraftHead, data: HiddenStateDataset, cfg: TrainConfig, target
     was_training = head.training
     head.eval()
     for s in range(0, n, cfg.batch_size):
-        batch = data.batch(list(range(s, min(n, s + cfg.batch_size))))
+        batch = data.batch(list(range(s, min(n, s + cfg.batch_size)))).to(target_to_draft.device)
         _, stats = head_losses(head, batch, cfg, target_to_draft, num_steps=chain)
         for acc, st in zip(sums, stats):
             for k in acc:
@@ -220,6 +220,8 @@ def unigram_top1(train: HiddenStateDataset, val: HiddenStateDataset, vocab_size:
 def _dist_info() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if world > 1 else (0, 1)
 
@@ -268,6 +270,11 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         log_file = open(out / "train_log.jsonl", "w")
+    if rank == 0:
+        per_step = cfg.batch_size * world * train.num_tokens / len(train)
+        print(f"training a {cfg.variant} head: {cfg.num_steps} steps x ~{per_step:,.0f} tokens = "
+              f"{cfg.num_steps * per_step / train.num_tokens:.1f} epochs of {train.num_tokens:,} training tokens "
+              f"({val.num_tokens:,} validation), {cfg.unroll_steps} unrolled step(s)", flush=True)
     baseline = unigram_top1(train, val, target_config.vocab_size)
     before = evaluate(head, val, cfg, target_to_draft)
     rng = random.Random(cfg.seed)
