@@ -261,9 +261,9 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
         hidden, topk_ids, topk_probs = _run_segments(engine, [seg for _, seg in pending], settings.top_k)
         if not timed and total_tokens is not None:   # the estimate, from the first batch's speed
             timed.append(pending_tokens / (time.perf_counter() - t0))
-            left = total_tokens - bar.n
+            left = max(total_tokens - writer.num_tokens_done, 0)   # documents done before are skipped
             print(f"hidden states: {timed[0]:.0f} tokens/s, about {left / timed[0] / 60:.0f} min for the "
-                  f"{left:,} tokens left", flush=True)
+                  f"~{left:,} tokens left", flush=True)
         start = 0
         for doc_index, seg in pending:
             n = len(seg)
