@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -84,11 +84,11 @@ class DraftHeadConfig:
     own_lm_head: bool = False
 
     def __post_init__(self) -> None:
+        if self.variant not in HEAD_VARIANTS:
+            raise ValueError(f"variant must be one of {HEAD_VARIANTS}, got {self.variant!r}")
         self.aux_hidden_state_layers = tuple(int(i) for i in self.aux_hidden_state_layers)
         if self.variant != "eagle3" and (self.aux_hidden_state_layers or self.own_lm_head):
             raise ValueError(f"aux_hidden_state_layers and own_lm_head are for variant 'eagle3', not {self.variant!r}")
-        if self.variant not in HEAD_VARIANTS:
-            raise ValueError(f"variant must be one of {HEAD_VARIANTS}, got {self.variant!r}")
         if self.intermediate_size < 1:
             raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -118,15 +118,16 @@ class DraftHeadConfig:
     def to_hf_dict(self) -> dict:
         """``config.json`` contents: the target's Hugging Face fields with one layer, EAGLE's
         architecture name, and our own fields under ``specserve_head``."""
-        arch = "Qwen2ForCausalLM" if self.target_architecture == "qwen2" else "LlamaForCausalLM"
-        suffix = "Eagle3" if self.variant == "eagle3" else "Eagle"
         extra = {}
         if self.variant == "eagle3":   # what vLLM and SGLang read to feed an EAGLE-3 head
+            arch = "LlamaForCausalLMEagle3"   # their EAGLE-3 class for every target
             extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_hidden_state_layers),
                                      "use_aux_hidden_state": True}
             extra["target_hidden_size"] = self.hidden_size
+        else:
+            arch = "Qwen2ForCausalLMEagle" if self.target_architecture == "qwen2" else "LlamaForCausalLMEagle"
         return {
-            "architectures": [("LlamaForCausalLM" if self.variant == "eagle3" else arch).replace("ForCausalLM", "ForCausalLM" + suffix)],
+            "architectures": [arch],
             "model_type": self.target_architecture,
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": 1, "num_attention_heads": self.num_attention_heads,
@@ -549,7 +550,7 @@ def load_draft_head(path: str | Path, config: DraftHeadConfig | None = None,
         if target_num_layers is None:
             raise ValueError(f"EAGLE-3 checkpoint {folder} does not name the target layers it fuses "
                              "(eagle_config.eagle_aux_hidden_state_layer_ids); pass target_num_layers")
-        config.aux_hidden_state_layers = default_aux_layers(target_num_layers)
+        config = replace(config, aux_hidden_state_layers=default_aux_layers(target_num_layers))
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))

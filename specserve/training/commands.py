@@ -253,9 +253,9 @@ def run_eval_head(args: argparse.Namespace) -> int:
         from specserve.training.dataset import HiddenStateDataset
         from specserve.training.trainer import evaluate
 
-        head, _ = load_draft_head(resolve_head(args.head))
-        head.float()
         loaded = load_model(args.target)
+        head, _ = load_draft_head(resolve_head(args.head), target_num_layers=loaded.config.num_hidden_layers)
+        head.float()
         w = loaded.weights
         head.attach_target(w["model.embed_tokens.weight"].float(),
                            w.get("lm_head.weight", w["model.embed_tokens.weight"]).float())

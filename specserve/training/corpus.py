@@ -184,8 +184,9 @@ def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_
         print(f"self-distillation ({corpus}): {len(todo)} prompts x up to {max_tokens_per_doc} tokens to generate"
               + (f" ({len(items) - len(todo)} already done)" if len(todo) < len(items) else "")
               + (", keeping the target's hidden states" if capture is not None else ""), flush=True)
-    for s in range(0, len(todo), chunk if cache is not None else max(len(todo), 1)):
-        part = todo[s:s + (chunk if cache is not None else len(todo))]
+    step = chunk if cache is not None else max(len(todo), 1)   # without a cache nothing is kept between chunks
+    for s in range(0, len(todo), step):
+        part = todo[s:s + step]
         if capture is not None:
             from specserve.training.hidden_states import generate_with_hidden_states
 

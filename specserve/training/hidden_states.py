@@ -243,7 +243,8 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
     writer = HiddenStateWriter(out_dir, settings, corpus)
     done = writer.done
     per_token = bytes_per_token(settings.hidden_size, settings.top_k, len(settings.aux_layers))
-    engine.runner.model.aux_hidden_state_layers = settings.aux_layers
+    model = engine.runner.model
+    previous_aux, model.aux_hidden_state_layers = model.aux_hidden_state_layers, settings.aux_layers
     if total_tokens is not None:
         print(f"hidden states: about {total_tokens:,} tokens x {per_token:,} bytes = "
               f"{total_tokens * per_token / 2**30:.2f} GiB in {writer.out}"
@@ -296,7 +297,7 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
         flush_batch()
     finally:
         bar.close()
-        engine.runner.model.aux_hidden_state_layers = ()
+        model.aux_hidden_state_layers = previous_aux
     return writer.close(complete=True)
 
 
@@ -334,19 +335,25 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
     captured: dict[int, _CapturedSequence] = {}   # by seq_id
 
     def observe(reqs, result):   # called before the step's tokens are committed
+        caps, parts = [], []
         for b, req in enumerate(reqs):
             cap, rows = captured.get(req.seq_id), result.hidden_rows[b]
-            if cap is None or not len(rows):
-                continue
-            hidden = result.hidden_states[rows.start:rows.stop]
-            with torch.inference_mode():
-                p, i = torch.softmax(model.compute_logits(hidden), dim=-1).topk(top_k, dim=-1)
-            cap.hidden.append(hidden.to(torch.float16))
-            cap.topk_ids.append(i.to(torch.int32))
-            cap.topk_probs.append(p.to(torch.float16))
+            if cap is not None and len(rows):
+                caps.append(cap)
+                parts.append(result.hidden_states[rows.start:rows.stop])
+        if not caps:
+            return
+        hidden = torch.cat(parts)   # one lm_head over the step's rows: the weights are read once
+        with torch.inference_mode():
+            p, i = torch.softmax(model.compute_logits(hidden), dim=-1).topk(top_k, dim=-1)
+        sizes = [len(x) for x in parts]
+        for cap, h, pp, ii in zip(caps, hidden.split(sizes), p.split(sizes), i.split(sizes)):
+            cap.hidden.append(h.to(torch.float16))
+            cap.topk_ids.append(ii.to(torch.int32))
+            cap.topk_probs.append(pp.to(torch.float16))
 
     tokens_of: dict[str, list[int]] = {}
-    model.aux_hidden_state_layers = settings.aux_layers
+    previous_aux, model.aux_hidden_state_layers = model.aux_hidden_state_layers, settings.aux_layers
     engine.step_observers.append(observe)
     try:
         bar = tqdm(total=len(todo) * params.max_tokens, unit="tok", desc="self-distillation + hidden states",
@@ -378,7 +385,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
         bar.close()
     finally:
         engine.step_observers.remove(observe)
-        model.aux_hidden_state_layers = ()
+        model.aux_hidden_state_layers = previous_aux
         captured.clear()
     writer.close(complete=False)   # complete once the rest of the corpus is precomputed
     return tokens_of
