@@ -228,12 +228,14 @@ class EngineArgs:
     ``kv_cache_memory_gb`` sizes the page pool when ``num_blocks`` is not given. ``quantization``
     (vLLM's name): ``"none"`` (float weights), ``"int8"`` or ``"int4"`` (batch-invariant integer
     linears, :mod:`specserve.models.quantization`); the draft's is ``speculative_config``'s
-    ``draft_quantization`` (default: the same as the target's).
+    ``draft_quantization`` (default: the same as the target's). ``tensor_parallel_size`` (vLLM's
+    name) shards the target over that many ranks (:mod:`specserve.distributed`; the draft stays
+    whole on rank 0); ``distributed_timeout_s`` bounds how long a step waits for a rank.
 
     Raises:
         ValueError: a bad value, named (dtype, quantization with a non-float32 dtype or a non-CPU
             device, max_model_len < 2, block_size / max_num_seqs / max_num_batched_tokens /
-            num_blocks < 1, kv_cache_memory_gb <= 0, a bad speculative_config).
+            num_blocks < 1, kv_cache_memory_gb <= 0, tensor_parallel_size < 1, a bad speculative_config).
     """
 
     model: str = DEFAULT_MODEL
@@ -248,6 +250,8 @@ class EngineArgs:
     device: str = "cpu"
     speculative_config: "SpeculativeConfig | dict | None" = None
     quantization: str = "none"
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         from specserve.models.quantization import check_quantization
@@ -281,3 +285,8 @@ class EngineArgs:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be > 0, got {self.distributed_timeout_s!r}")

@@ -37,13 +37,14 @@ def greedy_reference(tiny_qwen2_dir):
 def test_eagle_greedy_equals_no_speculation(tiny_qwen2_dir, head_dir, greedy_reference, tree, monkeypatch):
     params, ref = greedy_reference
     moved = []
-    real_compact = worker_mod.compact_accepted_kv
+    real_moves = worker_mod.accepted_kv_moves
 
-    def spy(key, value, slots, accepted):
-        moved.append(accepted != list(range(1, len(accepted) + 1)))   # not already in place
-        return real_compact(key, value, slots, accepted)
+    def spy(slots, accepted):
+        moves = real_moves(slots, accepted)
+        moved.append(moves is not None)   # not already in place
+        return moves
 
-    monkeypatch.setattr(worker_mod, "compact_accepted_kv", spy)
+    monkeypatch.setattr(worker_mod, "accepted_kv_moves", spy)
     spec = LLM(tiny_qwen2_dir, speculative_config={"method": "eagle", "model": str(head_dir), "adaptive": False,
                                                    **TREES[tree]})
     for batch in ([PROMPTS[4]], PROMPTS):   # batch 1, then 8 prompts of mixed lengths

@@ -27,6 +27,7 @@ NAME = "smollm2-135m-instruct"
 MAX_LEN = 512
 K = 3
 DRAFT_LAYERS = 20
+KV_GB = 0.5      # per model and rank: ~700 pages, room for every test's requests, and several engines fit in memory
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -56,24 +57,34 @@ def smollm2():
     return target, _layer_skip(target, DRAFT_LAYERS)
 
 
-def _spec_engine(smollm2, adaptive=True, **kw) -> LLMEngine:
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def tp(request) -> int:
+    """Every server test runs with the target whole and sharded over two ranks (tensor parallelism;
+    SmolLM2's 3 KV heads split 1 and 2)."""
+    return request.param
+
+
+def _spec_engine(smollm2, tp, adaptive=True, **kw) -> LLMEngine:
     target, draft = smollm2
     spec = {"method": "draft_model", "model": NAME, "num_speculative_tokens": K, "adaptive": adaptive}
-    return LLMEngine(EngineArgs(model=NAME, max_model_len=MAX_LEN, speculative_config=spec, **kw),
-                     loaded=target, loaded_draft=draft)
+    kw.setdefault("kv_cache_memory_gb", KV_GB)
+    return LLMEngine(EngineArgs(model=NAME, max_model_len=MAX_LEN, speculative_config=spec, tensor_parallel_size=tp,
+                                **kw), loaded=target, loaded_draft=draft)
 
 
 @pytest.fixture(scope="module")
-def server(smollm2):
-    s = start_server(_spec_engine(smollm2), NAME)
+def server(smollm2, tp):
+    s = start_server(_spec_engine(smollm2, tp), NAME)
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def offline(smollm2):
-    """Offline generation without speculation: the reference every greedy answer must equal."""
-    return LLM(NAME, loaded=smollm2[0], max_model_len=MAX_LEN)
+def offline(smollm2, tp):
+    """Offline generation without speculation, at the server's tensor parallelism: the reference
+    every greedy answer must equal."""
+    with LLM(NAME, loaded=smollm2[0], max_model_len=MAX_LEN, tensor_parallel_size=tp, kv_cache_memory_gb=KV_GB) as llm:
+        yield llm
 
 
 def client(server) -> OpenAI:
@@ -167,10 +178,10 @@ def test_stop_string_and_finish_reason(server, offline):
     assert r.choices[0].finish_reason == "stop" == want.finish_reason
 
 
-def test_seed_reproducible_and_matches_offline(smollm2):
+def test_seed_reproducible_and_matches_offline(smollm2, tp):
     """Seeded sampling: the same seed gives the same text, as offline with the same (fixed) k.
     (With adaptive k the realization depends on each step's k; the distribution does not.)"""
-    s = start_server(_spec_engine(smollm2, adaptive=False), NAME)
+    s = start_server(_spec_engine(smollm2, tp, adaptive=False), NAME)
     try:
         c = client(s)
         kw = dict(model=NAME, prompt=PROMPTS[5], max_tokens=32, temperature=0.9, top_p=0.95)
@@ -180,8 +191,9 @@ def test_seed_reproducible_and_matches_offline(smollm2):
         assert a == b
         assert len(others | {a}) > 1
         spec = {"method": "draft_model", "model": NAME, "num_speculative_tokens": K, "adaptive": False}
-        llm = LLM(NAME, loaded=smollm2[0], loaded_draft=smollm2[1], max_model_len=MAX_LEN, speculative_config=spec)
-        want = llm.generate([PROMPTS[5]], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=32, seed=123))
+        with LLM(NAME, loaded=smollm2[0], loaded_draft=smollm2[1], max_model_len=MAX_LEN, speculative_config=spec,
+                 tensor_parallel_size=tp, kv_cache_memory_gb=KV_GB) as llm:
+            want = llm.generate([PROMPTS[5]], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=32, seed=123))
         assert a == want[0].outputs[0].text
     finally:
         s.stop()
@@ -271,8 +283,8 @@ def test_unknown_model_is_404(server):
         client(server).completions.create(model=NAME, prompt="x", max_tokens=2, top_p=5)
 
 
-def test_queue_limit_is_503_and_a_request_larger_than_the_queue_is_400(smollm2):
-    s = start_server(_spec_engine(smollm2), NAME, max_queue_len=2)
+def test_queue_limit_is_503_and_a_request_larger_than_the_queue_is_400(smollm2, tp):
+    s = start_server(_spec_engine(smollm2, tp), NAME, max_queue_len=2)
     try:
         async def run():
             c = aclient(s)
@@ -356,9 +368,9 @@ def test_64_concurrent_streams(server, offline):
     assert 'specserve_num_requests_running 0.0' in metrics
 
 
-def test_64_concurrent_streams_with_preemption(smollm2, offline):
+def test_64_concurrent_streams_with_preemption(smollm2, tp, offline):
     """A pool of 40 pages of 16 tokens holds ~6 of these requests: the rest wait or are preempted."""
-    s = start_server(_spec_engine(smollm2, num_blocks=40), NAME)
+    s = start_server(_spec_engine(smollm2, tp, num_blocks=40), NAME)
     try:
         _check_load(s, offline, _load_requests(64))
         preempted = re.search(r"^specserve_num_preemptions_total (\S+)", httpx.get(s.base_url + "/metrics").text, re.M)

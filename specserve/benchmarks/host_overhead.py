@@ -52,6 +52,13 @@ def model_timer():
             setattr(cls, name, fn)
 
 
+def next_step_is_decode(engine) -> bool:
+    """Whether the engine's next step decodes only (nothing waits, every running sequence has all
+    but its newest token in the cache)."""
+    sched = engine.scheduler
+    return not sched.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
+
+
 def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -60,8 +67,7 @@ def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
     steps = []
     with model_timer() as spent:
         while engine.has_unfinished_requests():
-            sched = engine.scheduler
-            decode = not sched.waiting and all(r.num_computed_tokens == r.num_tokens - 1 for r in sched.running)
+            decode = next_step_is_decode(engine)
             before = spent[0]
             t = time.perf_counter()
             engine.step()

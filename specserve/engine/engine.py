@@ -53,18 +53,30 @@ class LLMEngine:
         self.args = args
         dtype = TORCH_DTYPES[args.dtype]
         torch.manual_seed(args.seed)
+        self.tp = None   # the tensor-parallel ranks (specserve.distributed), when tensor_parallel_size > 1
+        if args.tensor_parallel_size > 1:
+            from specserve.distributed.launcher import TensorParallelLauncher
+
+            self.tp = TensorParallelLauncher(args.tensor_parallel_size, args.device, args.distributed_timeout_s)
         loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype, quantization=args.quantization)
         self.load_stats = loaded.load_stats
-        self.model_config = loaded.config
+        self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
-        weights = to_device(loaded.weights, args.device, dtype)
-        self.model = LlamaForCausalLM(self.model_config, weights, args.quantization).eval()
-        cfg = self.model_config
+        shards = None
+        kv_heads = cfg.num_key_value_heads
+        if self.tp is not None:   # checked before anything starts
+            from specserve.distributed.sharding import plan_shard
+
+            shards = [plan_shard(cfg, r, self.tp.world_size, args.quantization != "none")
+                      for r in range(self.tp.world_size)]
+            kv_heads = max(s.num_kv_heads for s in shards)
+        # under tensor parallelism the full weights stay on the host: each rank moves its shard
+        weights = to_device(loaded.weights, args.device if self.tp is None else "cpu", dtype)
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         if args.num_blocks is None:
             # the memory budget, but never more pages than max_num_seqs full-length sequences use
             by_memory = KVCache.num_blocks_for_memory(int(args.kv_cache_memory_gb * 2**30), cfg.num_hidden_layers,
-                                                      args.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
+                                                      args.block_size, kv_heads, cfg.head_dim, dtype)
             by_use = args.max_num_seqs * -(-max_len // args.block_size)
             num_blocks = max(1, min(by_memory, by_use))
         else:
@@ -74,10 +86,17 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                 self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size)
-        self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,
-                                cfg.num_key_value_heads, cfg.head_dim, dtype, args.device)
+        runner = None
+        if self.tp is None:
+            self.model = LlamaForCausalLM(cfg, weights, args.quantization).eval()
+            self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype, args.device)
+        else:
+            self.model, self.kv_cache, runner = self._start_tensor_parallel(weights, shards, num_blocks, dtype)
+            weights = to_device({k: weights[k] for k in ("model.embed_tokens.weight", "lm_head.weight") if k in weights},
+                                args.device, dtype)   # what a draft head shares with the target
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.target_worker = TargetWorker(self.model, self.kv_cache)
+        self.target_worker = TargetWorker(self.model, self.kv_cache, runner)
         self.spec_config = args.speculative_config
         self.worker = self.target_worker
         if self.spec_config is not None:
@@ -99,6 +118,61 @@ class LLMEngine:
         self.last_step_stats: StepStats | None = None
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
+
+    def _start_tensor_parallel(self, weights: dict, shards: list, num_blocks: int, dtype: torch.dtype):
+        """Start (or, under torchrun, join) the ranks and build this rank's shard. Rank 0 returns its
+        model, KV cache and :class:`~specserve.distributed.runner.TensorParallelRunner`; any other
+        rank serves rank 0 until it shuts down and then ends the process (``SystemExit(0)``)."""
+        from specserve.distributed.group import TensorParallelError
+        from specserve.distributed.launcher import build_rank
+        from specserve.distributed.runner import TensorParallelRunner, run_worker
+        from specserve.distributed.sharding import shard_weights
+
+        tp, args, cfg = self.tp, self.args, self.model_config
+        common = dict(config=cfg, quantization=args.quantization, num_blocks=num_blocks, block_size=args.block_size,
+                      dtype=dtype)
+        builds = None
+        if not tp.external:   # spawned workers get their shards through shared memory
+            builds = {r: dict(common, weights=shard_weights(cfg, weights, shards[r]), shard=shards[r],
+                              device=args.device) for r in range(1, tp.world_size)}
+        group = tp.start(builds)
+        builds = None
+        model, kv_cache = build_rank(group, weights=shard_weights(cfg, weights, shards[tp.rank]), shard=shards[tp.rank],
+                                     device=group.device, **common)
+        try:
+            group.ready()
+        except TensorParallelError:
+            tp.shutdown()
+            raise
+        if not tp.is_leader:
+            try:
+                run_worker(model, kv_cache, group)
+            finally:
+                tp.shutdown()
+            raise SystemExit(0)
+        tp.runner = TensorParallelRunner(model, kv_cache, group)
+        return model, kv_cache, tp.runner
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def health(self) -> str | None:
+        """What stops the engine from serving (a lost tensor-parallel rank), or None. Any thread."""
+        if self.tp is None:
+            return None
+        if self.tp.group is not None and self.tp.group.failed is not None:
+            return str(self.tp.group.failed)
+        return self.tp.describe_failure() or None
+
+    def keepalive(self, idle_s: float = 600.0) -> None:
+        """Called while idle: ping the workers when nothing was sent for ``idle_s`` seconds, so their
+        wait for the next step never times out."""
+        runner = self.tp.runner if self.tp is not None else None
+        if runner is not None and time.monotonic() - runner.channel.last_sent > idle_s:
+            self.tp.check()
+            runner.keepalive()
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -198,6 +272,8 @@ class LLMEngine:
         if not sched.scheduled:
             self.last_step_stats = None
             return []
+        if self.tp is not None:
+            self.tp.check()     # a lost rank fails the step here, with its exit code
         t0 = time.perf_counter()
         reqs = [s.request for s in sched.scheduled]
         result = self.worker.execute(self.scheduler.step_batch(sched))

@@ -55,6 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
                    help="memory for the paged KV cache (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory-gb)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="shard the target over this many ranks (worker processes started by the engine, or "
+                        "torchrun's ranks; gloo on CPU, NCCL on CUDA); the draft runs whole on rank 0 "
+                        "(default: %(default)s)")
+    p.add_argument("--distributed-timeout-s", type=float, default=60.0,
+                   help="tensor parallelism: seconds a step waits for a rank before the engine fails "
+                        "(default: %(default)s)")
 
 
 def is_head(name: str) -> bool:

@@ -93,13 +93,15 @@ class AsyncLLMEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop thread, then the engine (its tensor-parallel workers)."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.dead is None
+        return self._thread.is_alive() and self.dead is None and self.engine.health() is None
 
     @property
     def num_unfinished(self) -> int:
@@ -162,6 +164,7 @@ class AsyncLLMEngine:
                 self._drain_commands()
                 if not engine.has_unfinished_requests():
                     self._publish()
+                    engine.keepalive()
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()
                     continue

@@ -24,6 +24,8 @@ class LLM:
         **kwargs: :class:`~specserve.engine.engine.EngineArgs` fields (``dtype``, ``max_model_len``,
             ``block_size``, ``num_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``, ``seed``,
             ``quantization`` (``"none"`` default, ``"int8"``, ``"int4"``: batch-invariant integer linears),
+            ``tensor_parallel_size`` (the target sharded over that many ranks; call :meth:`shutdown`
+            or use ``with LLM(...) as llm:`` to stop them before exit),
             ``speculative_config={"method": "draft_model", "model": ..., "num_speculative_tokens": k}``).
     Raises:
         ValueError: an unknown argument or model, naming it.
@@ -41,6 +43,16 @@ class LLM:
     def from_engine_args(cls, args: EngineArgs) -> "LLM":
         """An ``LLM`` over an engine built from ``args`` (as the command line builds them)."""
         return cls(**{f: getattr(args, f) for f in EngineArgs.__dataclass_fields__})
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers (also done at exit). Idempotent."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

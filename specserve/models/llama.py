@@ -64,10 +64,15 @@ class DecoderLayer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, w: dict, prefix: str, rotary: RotaryEmbedding,
-                 quantization: str = "none"):
+                 quantization: str = "none", tp=None):
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
+        # under tensor parallelism this rank's heads (``w`` holds its shard); o_proj and down_proj
+        # then produce partial sums that the group adds up
+        self.num_heads = tp.shard.num_heads if tp is not None else cfg.num_attention_heads
+        self.num_kv_heads = tp.shard.num_kv_heads if tp is not None else cfg.num_key_value_heads
+        self.tp = tp
         a = prefix + "self_attn."
         qkv_b = None
         if cfg.attention_bias:
@@ -81,9 +86,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"],
                                                      requires_grad=False)
-        self.q_size = cfg.num_attention_heads * cfg.head_dim
-        self.kv_size = cfg.num_key_value_heads * cfg.head_dim
-        self.attn = TorchAttentionBackend(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.attn = TorchAttentionBackend(self.num_heads, self.num_kv_heads, cfg.head_dim)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, md: AttentionMetadata, rope_tables=None) -> torch.Tensor:
@@ -92,15 +100,15 @@ class DecoderLayer(nn.Module):
         x = rms_norm(hidden, self.input_layernorm, cfg.rms_norm_eps)
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, cfg.num_attention_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_key_value_heads, cfg.head_dim)
+        q = q.reshape(T, self.num_heads, cfg.head_dim)
+        k = k.reshape(T, self.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, self.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k, rope_tables)
         attn = self.attn.forward(q, k, v, key_cache, value_cache, md)  # [T, H, D]
-        hidden = hidden + self.o_proj(attn.reshape(T, self.q_size))
+        hidden = hidden + self._reduce(self.o_proj(attn.reshape(T, self.q_size)))
         x = rms_norm(hidden, self.post_attention_layernorm, cfg.rms_norm_eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return hidden + self._reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,19 +122,25 @@ class LlamaForCausalLM(nn.Module):
         quantization: ``"none"`` (float linears), ``"int8"`` or ``"int4"`` (our batch-invariant
             integer kernels, :mod:`specserve.models.quantization`). Every linear is batch-invariant
             either way, so speculation stays exact relative to the same model run without it.
+        tp: a :class:`~specserve.distributed.group.TensorParallelGroup` with its ``shard``
+            (:class:`~specserve.distributed.sharding.TensorParallelShard`): ``weights`` are then this
+            rank's shard (:func:`~specserve.distributed.sharding.shard_weights`), the embedding and the
+            row-parallel outputs are all-reduced and the logits gathered, so every rank computes the
+            same full hidden states and logits.
     Raises:
         ValueError: an unknown quantization, a weight shape it cannot pack, or no kernel here.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, quantization: str = "none"):
+    def __init__(self, config: ModelConfig, weights: dict, quantization: str = "none", tp=None):
         super().__init__()
         self.config = config
+        self.tp = tp
         max_pos = max(config.max_position_embeddings, 1)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_pos)
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
         self.quantization = quantization = check_quantization(quantization)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, quantization)
+            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, quantization, tp)
             for i in range(config.num_hidden_layers))
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
         # A tied model's head may come quantized from the embedding's own blocks (the loader's).
@@ -143,7 +157,12 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids [T]`` int64 -> ``[T, hidden_size]``."""
-        return F.embedding(input_ids, self.embed_tokens)
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        start, end = self.tp.shard.vocab       # this rank's rows; others contribute exact zeros
+        mine = (input_ids >= start) & (input_ids < end)
+        local = F.embedding((input_ids - start).clamp(0, end - start - 1), self.embed_tokens)
+        return self.tp.all_reduce(local * mine.unsqueeze(1).to(local.dtype))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -177,4 +196,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` (or the wider output of :meth:`forward` with auxiliary layers) ->
         ``[N, vocab_size]`` float32 logits of the rows given."""
-        return self.lm_head(hidden_states[:, :self.config.hidden_size].contiguous()).float()
+        logits = self.lm_head(hidden_states[:, :self.config.hidden_size].contiguous()).float()
+        if self.tp is None:
+            return logits
+        rows = self.tp.shard.vocab_shard_size      # gather equal widths, then drop the padding
+        if logits.shape[1] < rows:
+            logits = F.pad(logits, (0, rows - logits.shape[1]))
+        return torch.cat(self.tp.all_gather(logits), dim=1)[:, :self.config.vocab_size]

@@ -94,6 +94,24 @@ class QuantizedTensor:
         return QuantizedTensor(self.layout, pick(self.qs), pick(self.sc), pick(self.mn), pick(self.d),
                                pick(self.dmin), self.source)
 
+    def select_columns(self, start: int, end: int) -> "QuantizedTensor":
+        """The weight's ``in_features`` slice ``start:end`` (a tensor-parallel row shard).
+
+        Both ends must fall on superblock boundaries (multiples of 256, or ``end`` = K), so every
+        superblock and its scales stay whole and a row's activation superblocks line up with the
+        unsharded weight's. Raises ValueError otherwise."""
+        k = self.shape[1]
+        if not (0 <= start < end <= k) or start % SUPERBLOCK or (end % SUPERBLOCK and end != k):
+            raise ValueError(f"columns {start}:{end} of a {self.layout} weight with in_features {k} do not "
+                             f"fall on {SUPERBLOCK}-value superblock boundaries")
+        s0, s1 = start // SUPERBLOCK, -(-end // SUPERBLOCK)
+        cut = lambda t, per: None if t is None else t[:, start // per:-(-end // per)].contiguous()
+        if self.layout == "int4":
+            return QuantizedTensor("int4", cut(self.qs, 2), cut(self.sc, 32), cut(self.mn, 32),
+                                   self.d[:, s0:s1].contiguous(), self.dmin[:, s0:s1].contiguous(), self.source)
+        return QuantizedTensor("int8", cut(self.qs, 1), cut(self.sc, 16), None, self.d[:, s0:s1].contiguous(), None,
+                               self.source)
+
     @staticmethod
     def cat(parts: "list[QuantizedTensor]") -> "QuantizedTensor":
         """Concatenate weights of one layout along ``out_features`` (fused q/k/v, gate/up)."""

@@ -363,24 +363,36 @@ def accept_tree(tree: DraftTree, target_probs: torch.Tensor, greedy: bool,
         node = nxt
 
 
-def compact_accepted_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
-                        accepted_nodes: list[int]) -> None:
-    """Move the K/V entries of the accepted path to the contiguous slots right after the root, so
-    the sequence's cache reads as if the accepted tokens had been verified as a chain.
+def accepted_kv_moves(slots: torch.Tensor, accepted_nodes: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where the K/V entries of the accepted path move so the sequence's cache reads as if the
+    accepted tokens had been verified as a chain: ``(src, dst)`` slots, or None when nothing moves.
 
     Args:
-        key_cache / value_cache: ``[num_layers, num_blocks, block_size, Hkv, D]`` (contiguous).
         slots: ``[N + 1]`` int64 cache slot of each tree node as verified (node i at ``slots[i]``;
             the root's slot is followed by the slots the path moves to).
         accepted_nodes: accepted nodes, top down.
     """
     if not accepted_nodes:
-        return
+        return None
     src = slots[torch.tensor(accepted_nodes, dtype=torch.int64)]
     dst = slots[1:1 + len(accepted_nodes)]
     if torch.equal(src, dst):       # the path was the first branch all the way: already in place
-        return
+        return None
+    return src, dst
+
+
+def move_kv_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy K/V entries from slots ``src [N]`` to ``dst [N]`` (int64) in every layer of caches
+    ``[num_layers, num_blocks, block_size, Hkv, D]`` (contiguous); a source may also be a target."""
     for cache in (key_cache, value_cache):
         flat = cache.view(cache.shape[0], -1, *cache.shape[3:])    # [L, num_slots, Hkv, D]
         moved = flat.index_select(1, src.to(cache.device))          # gather first: a source may be a target
         flat.index_copy_(1, dst.to(cache.device), moved)
+
+
+def compact_accepted_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,
+                        accepted_nodes: list[int]) -> None:
+    """Move the accepted path's K/V entries in place (:func:`accepted_kv_moves`, :func:`move_kv_slots`)."""
+    moves = accepted_kv_moves(slots, accepted_nodes)
+    if moves is not None:
+        move_kv_slots(key_cache, value_cache, *moves)

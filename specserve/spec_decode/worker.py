@@ -32,7 +32,7 @@ from specserve.sample.rejection import rejection_sample_tensors
 from specserve.sample.sampler import compute_probs, gather_logprobs
 from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.proposer import DraftProposal, Proposer, TreeProposal
-from specserve.spec_decode.tree import DraftTree, accept_tree, compact_accepted_kv
+from specserve.spec_decode.tree import DraftTree, accept_tree, accepted_kv_moves
 from specserve.worker.step import StepBatch, StepResult
 from specserve.worker.target_worker import TargetWorker, logprob_entries
 
@@ -232,9 +232,8 @@ class SpeculativeWorker:
         its newest token's slot); returns hidden states ``[T, H]``, logits ``[T, V]``, the rows'
         sampling metadata and the target's distributions ``[T, V]`` (penalties see ``histories``)."""
         runner = self.target.runner
-        hidden = runner.forward_tensors(input_ids, positions, batch.block_tables, batch.context_lens, query_lens,
-                                        tree_masks)
-        logits = runner.compute_logits(hidden, list(range(len(positions))))
+        hidden, logits = runner.forward_with_logits(input_ids, positions, batch.block_tables, batch.context_lens,
+                                                    query_lens, list(range(len(positions))), tree_masks)
         row_seq = [b for b, q in enumerate(query_lens) for _ in range(q)]
         md = batch.sampling_metadata(row_seq, histories, self.device)
         return hidden, logits, md, compute_probs(logits, md)
@@ -299,14 +298,15 @@ class SpeculativeWorker:
                          for b, tree in enumerate(trees) for node in range(tree.num_nodes)]
         hidden, logits, md, probs = self._verify(batch, input_ids, query_lens, positions, histories,
                                                  [tree.attention_mask() for tree in trees])
-        kv = self.target.runner.kv_cache
+        runner = self.target.runner
         emitted, accepted, drafted, rows = [], [], [], []
         start = 0
         for b, tree in enumerate(trees):
             acc = accept_tree(tree, probs[start:start + tree.num_nodes], batch.params[b].greedy, batch.generators[b])
             ctx = batch.context_lens[b]
-            compact_accepted_kv(kv.key_cache, kv.value_cache, batch.slot_mapping(b, ctx, ctx + tree.num_nodes),
-                                acc.accepted_nodes)
+            moves = accepted_kv_moves(batch.slot_mapping(b, ctx, ctx + tree.num_nodes), acc.accepted_nodes)
+            if moves is not None:
+                runner.move_kv(*moves)
             emitted.append(acc.output_token_ids)
             accepted.append(len(acc.accepted_nodes))
             drafted.append(max(tree.depths))

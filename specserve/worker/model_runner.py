@@ -75,6 +75,22 @@ class ModelRunner:
         pos = torch.as_tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.model(input_ids.to(self.device), pos, md, (self.kv_cache.key_cache, self.kv_cache.value_cache))
 
+    def forward_with_logits(self, input_ids: torch.Tensor, positions, block_tables: list[list[int]],
+                            context_lens: list[int], query_lens: list[int], logits_rows: list[int],
+                            tree_masks: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward_tensors`, then the logits ``[len(logits_rows), V]`` float32 of the given
+        rows (None when there are none): hidden states and logits of one step (under tensor
+        parallelism, one message)."""
+        hidden = self.forward_tensors(input_ids, positions, block_tables, context_lens, query_lens, tree_masks)
+        return hidden, self.compute_logits(hidden, logits_rows) if logits_rows else None
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the K/V entries at cache slots ``src [N]`` int64 to slots ``dst [N]`` in every layer
+        (tree verification's accepted path, :func:`~specserve.spec_decode.tree.move_kv_slots`)."""
+        from specserve.spec_decode.tree import move_kv_slots
+
+        move_kv_slots(self.kv_cache.key_cache, self.kv_cache.value_cache, src, dst)
+
     def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits ``[len(rows), vocab_size]`` float32 of the given rows only."""
         idx = torch.tensor(rows, dtype=torch.int64, device=hidden_states.device)

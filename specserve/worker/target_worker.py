@@ -40,8 +40,8 @@ class TargetWorker:
         kv_cache: its paged K/V tensors (pages addressed by the engine's block tables).
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache):
-        self.runner = ModelRunner(model, kv_cache)
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, runner: ModelRunner | None = None):
+        self.runner = runner if runner is not None else ModelRunner(model, kv_cache)
         self.sampler = Sampler()
 
     @property
@@ -54,14 +54,15 @@ class TargetWorker:
 
     def execute(self, batch: StepBatch) -> StepResult:
         """One forward over the batch's new tokens; one token sampled per sequence that reaches its end."""
-        hidden = self.runner.forward_batch(batch)
         cu = batch.cu_query_lens
         hidden_rows = [range(cu[b], cu[b + 1]) for b in range(len(batch))]
         sampling = [b for b in range(len(batch)) if batch.samples(b)]
+        hidden, logits = self.runner.forward_with_logits(batch.input_ids, batch.positions, batch.block_tables,
+                                                         batch.context_lens, batch.query_lens,
+                                                         [cu[b + 1] - 1 for b in sampling])   # [T, H], [S, V]
         new_tokens: list[list[int]] = [[] for _ in range(len(batch))]
         logprobs = None
         if sampling:
-            logits = self.runner.compute_logits(hidden, [cu[b + 1] - 1 for b in sampling])   # [S, V]
             out = self.sampler(logits, batch.sampling_metadata(sampling, device=self.device))
             for b, t in zip(sampling, out.sampled_token_ids.tolist()):
                 new_tokens[b] = [t]

@@ -452,7 +452,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not state.engine.is_running:
-            return error_response(503, "the engine has stopped", "service_unavailable")
+            problem = state.engine.engine.health() or state.engine.dead
+            return error_response(503, f"the engine has stopped{f': {problem}' if problem else ''}",
+                                  "service_unavailable")
         return Response(status_code=200)
 
     @app.get("/v1/models", response_model=ModelList)

@@ -1,0 +1,122 @@
+"""Decode step time without and with tensor parallelism, and where a sharded step's time goes.
+
+For each tensor-parallel size (TP = 1: one process with all the machine's threads; TP = N: N ranks
+sharing them, ``cores / N`` threads each) and each batch size, ``batch_size`` requests decode
+``--max-tokens`` tokens; steps with a prefill are left out. Reported per decode step (medians, ms):
+wall time, and for TP > 1 the leader's time inside each collective (all-reduces after attention
+and MLP, the logits' all-gather, the step message's broadcast; waiting for the slower rank is
+counted there) and the rest (its own compute and the host's work), with the bytes each collective
+moved. Run::
+
+    python -m specserve.benchmarks.tensor_parallel --model qwen2.5-coder-1.5b-instruct -q int4 \\
+        --tp-sizes 1,2 --batch-sizes 1,8 --json docs/bench/tensor_parallel_cpu.json
+
+On a GPU machine the same command with ``--device cuda -q none --dtype bfloat16`` measures NCCL
+(``scripts/tensor_parallel_gpu.sh``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from specserve.benchmarks.host_overhead import next_step_is_decode
+from specserve.entrypoints.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def _snapshot(group) -> dict:
+    return {k: list(v) for k, v in group.stats.items()} if group is not None else {}
+
+
+def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
+    """Decode ``batch_size`` requests; per decode step: wall ms and (TP > 1) the collectives' share."""
+    engine = llm.llm_engine
+    group = engine.tp.group if engine.tp is not None else None
+    channel = engine.tp.runner.channel if engine.tp is not None else None
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f"b{batch_size}-{i}-{time.monotonic_ns()}", PROMPT * (1 + i % 3), params)
+    steps, comms, sent, used = [], [], [], []
+    while engine.has_unfinished_requests():
+        before, b0 = _snapshot(group), (channel.bytes_sent, channel.bytes_used) if channel else (0, 0)
+        decode = next_step_is_decode(engine)
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        if not decode:
+            continue
+        steps.append(dt)
+        if group is not None:
+            after = group.stats
+            comms.append({k: [after[k][i] - before.get(k, [0, 0, 0.0])[i] for i in range(3)] for k in after})
+            sent.append(channel.bytes_sent - b0[0])
+            used.append(channel.bytes_used - b0[1])
+    out = {"batch_size": batch_size, "decode_steps": len(steps), "step_ms": 1e3 * statistics.median(steps),
+           "decode_tok_s": batch_size / statistics.median(steps)}
+    if comms:
+        for op in sorted(comms[0]):
+            out[f"{op}_ms"] = 1e3 * statistics.median(c[op][2] for c in comms)
+            out[f"{op}_calls"] = statistics.median(c[op][0] for c in comms)
+            out[f"{op}_bytes"] = statistics.median(c[op][1] for c in comms)
+        out["collectives_ms"] = sum(out[f"{op}_ms"] for op in comms[0])
+        out["rest_ms"] = out["step_ms"] - out["collectives_ms"]
+        out["broadcast_bytes_sent"] = statistics.median(sent)
+        out["broadcast_bytes_used"] = statistics.median(used)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    p.add_argument("--quantization", "-q", default="int4")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tp-sizes", default="1,2")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median run is kept")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    cores = os.cpu_count() or 1
+    results = []
+    sizes = [int(x) for x in args.tp_sizes.split(",")]
+    batches = [int(x) for x in args.batch_sizes.split(",")]
+    bar = tqdm(total=len(sizes) * len(batches) * args.repeats, desc="tensor-parallel bench")
+    for tp in sizes:
+        torch.set_num_threads(cores)   # a TP = 1 engine uses every core; the launcher splits them for TP > 1
+        with LLM(args.model, quantization=args.quantization, dtype=args.dtype, device=args.device,
+                 tensor_parallel_size=tp, max_model_len=1024) as llm:
+            measure(llm, 1, 4)   # warm-up
+            for bs in batches:
+                runs = []
+                for _ in range(args.repeats):
+                    runs.append(measure(llm, bs, args.max_tokens))
+                    bar.update(1)
+                best = sorted(runs, key=lambda r: r["step_ms"])[len(runs) // 2]
+                best.update(tensor_parallel_size=tp, threads_per_rank=torch.get_num_threads(),
+                            runs_step_ms=[r["step_ms"] for r in runs])
+                results.append(best)
+                print(json.dumps(best))
+    bar.close()
+    report = {"command": "python -m specserve.benchmarks.tensor_parallel " + " ".join(sys.argv[1:] if argv is None else argv),
+              "model": args.model, "quantization": args.quantization, "dtype": args.dtype, "device": args.device,
+              "max_tokens": args.max_tokens, "machine": f"{platform.processor() or platform.machine()}, {cores} cores",
+              "torch": torch.__version__, "results": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
