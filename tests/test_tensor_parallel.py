@@ -256,7 +256,7 @@ def test_a_worker_that_cannot_start_is_reported():
     launcher = TensorParallelLauncher(2, "cpu", 5.0)
     group = launcher.start({1: {"device": "cpu"}})     # no weights: the worker's build fails
     with pytest.raises(TensorParallelError, match=r"worker rank 1 .* exited with code 1: TypeError"):
-        group.ready()
+        group.ready(60)
     launcher.shutdown()
     assert all(not p.is_alive() for p in launcher.processes)
 
@@ -308,3 +308,52 @@ def test_the_server_answers_503_when_a_worker_dies(wide_dir):
     finally:
         s.stop()
     assert _gone(worker.pid)
+
+
+def test_an_interrupted_step_fails_the_engine_at_once(wide_dir):
+    """An error on rank 0 inside a forward leaves the worker mid-step: the engine must stop, not
+    pair the wrong collectives or wait out the timeout."""
+    llm = LLM(wide_dir, tensor_parallel_size=2, distributed_timeout_s=30)
+    layer = llm.llm_engine.model.layers[1]
+    original = layer.forward
+
+    def boom(*a, **kw):
+        layer.forward = original
+        raise KeyboardInterrupt
+    layer.forward = boom
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7]], GREEDY)
+    assert "interrupted" in llm.llm_engine.health()
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="out of step"):
+        llm.generate([[5, 6, 7]], GREEDY)
+    worker = llm.llm_engine.tp.processes[0]
+    llm.shutdown()
+    assert time.monotonic() - t0 < 10 and _gone(worker.pid)
+
+
+def test_no_worker_outlives_a_failed_or_dropped_engine(wide_dir):
+    import gc
+    import multiprocessing
+
+    with pytest.raises(Exception, match="no-such-draft"):
+        LLM(wide_dir, tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "no-such-draft"})
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("specserve-tp")]
+    llm = LLM(wide_dir, tensor_parallel_size=2)
+    worker = llm.llm_engine.tp.processes[0]
+    del llm
+    gc.collect()
+    worker.join(10)
+    assert _gone(worker.pid)
+
+
+def test_teacher_forcing_and_hidden_states_at_tp2(wide_dir):
+    """The offline paths that read the target's logits directly (bench --quality, head data) go
+    through the runner, so they work sharded too."""
+    from specserve.benchmarks.quality import teacher_forced
+
+    segs = [p["prompt_token_ids"] for p in prompts([12, 30])]
+    ref = teacher_forced(LLM(wide_dir).llm_engine, segs)
+    with LLM(wide_dir, tensor_parallel_size=2) as llm:
+        got = teacher_forced(llm.llm_engine, segs)
+    assert got["argmax"] == ref["argmax"] and got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5)

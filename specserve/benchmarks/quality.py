@@ -53,11 +53,11 @@ def teacher_forced(engine, segments: list[list[int]], logits_chunk: int = 128) -
         rows += range(start, start + len(seg) - 1)
         targets += seg[1:]
         start += len(seg)
-    rows_t, targets_t = torch.tensor(rows), torch.tensor(targets)
+    targets_t = torch.tensor(targets)
     argmax, nll = [], 0.0
     with segment_hidden_states(engine, segments) as hidden:
         for i in range(0, len(rows), logits_chunk):
-            logits = engine.runner.model.compute_logits(hidden[rows_t[i:i + logits_chunk]]).double()
+            logits = engine.runner.compute_logits(hidden, rows[i:i + logits_chunk]).double()
             logp = torch.log_softmax(logits, dim=-1)
             nll -= float(logp.gather(1, targets_t[i:i + logits_chunk, None]).sum())
             argmax += logits.argmax(-1).tolist()

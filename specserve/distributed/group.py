@@ -91,9 +91,13 @@ class TensorParallelGroup:
         st[1] += x.numel() * x.element_size()
         st[2] += time.perf_counter() - t0
 
-    def ready(self) -> None:
-        """Every rank has built its shard (a worker that failed to fails this, with its error)."""
-        self.all_reduce(torch.ones(1, device=self.device))
+    def ready(self, timeout_s: float) -> None:
+        """Every rank has built its shard within ``timeout_s`` (a worker that failed to fails this,
+        with its error). On the control group: building takes longer than a step."""
+        opts = dist.AllreduceOptions()
+        opts.timeout = timedelta(seconds=timeout_s)
+        x = torch.ones(1, device=self.device)
+        self._run("start-up barrier", lambda: self.control.allreduce([x], opts), x)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of every rank's ``x`` (same shape on each), the same bits on every rank."""
@@ -114,8 +118,12 @@ class TensorParallelGroup:
         return parts
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """``x`` of rank ``src``, in place on every rank (the control group: no short timeout)."""
+        """``x`` of rank ``src``, in place on every rank, on the control group: receivers wait as
+        long as the engine idles, the sender (a gloo send waits for the receiver) only the compute
+        timeout."""
         opts = dist.BroadcastOptions()
         opts.rootRank = src
+        if src == self.rank:
+            opts.timeout = timedelta(seconds=self.timeout_s)
         self._run("broadcast", lambda: self.control.broadcast([x], opts), x)
         return x

@@ -15,7 +15,6 @@ group's timeout. A spawned worker whose leader disappears exits within a second.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
@@ -38,11 +37,12 @@ STARTUP_TIMEOUT_S = 600.0
 _num_external_engines = 0   # engines made under torchrun in this process: each gets its own store prefix
 
 
-def device_for_rank(device: str, rank: int) -> torch.device:
-    """Rank ``rank``'s device: ``cuda`` means ``cuda:<rank>`` (one GPU per rank); CPU is shared."""
+def device_for_rank(device: str, local_rank: int) -> torch.device:
+    """The device of the rank with this machine-local index: ``cuda`` (or ``cuda:i``) means
+    ``cuda:<i + local_rank>``, one GPU per rank; CPU is shared."""
     d = torch.device(device)
-    if d.type == "cuda" and d.index is None:
-        return torch.device("cuda", rank)
+    if d.type == "cuda":
+        return torch.device("cuda", (d.index or 0) + local_rank)
     return d
 
 
@@ -77,7 +77,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, thread
         group = TensorParallelGroup(store, rank, world_size, device, timeout_s, CONTROL_TIMEOUT)
         from specserve.distributed.runner import run_worker
         model, kv_cache = build_rank(group, device=device, **{k: v for k, v in build.items() if k != "device"})
-        group.ready()
+        group.ready(STARTUP_TIMEOUT_S)
         run_worker(model, kv_cache, group)
     except BaseException:
         errors.put((rank, traceback.format_exc()))
@@ -113,6 +113,17 @@ class TensorParallelLauncher:
         self.timeout_s = timeout_s
         self.external = under_torchrun(world_size)
         self.rank = int(os.environ["RANK"]) if self.external else 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank)) if self.external else 0
+        if torch.device(device).type == "cuda":
+            need = (torch.device(device).index or 0) + (int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+                                                        if self.external else world_size)
+            if torch.cuda.device_count() < need:
+                raise ValueError(f"tensor_parallel_size {world_size} on {device!r} needs {need} GPUs, one per rank; "
+                                 f"this machine has {torch.cuda.device_count()}")
+            # NCCL errors and timeouts then raise on the host (TensorParallelError) instead of
+            # aborting the process from NCCL's watchdog
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        self._threads = torch.get_num_threads()   # restored at shutdown (a spawning leader uses fewer)
         self.processes: list = []
         self._errors = None
         self._tracebacks: dict[int, str] = {}   # rank -> the last line of the error it reported
@@ -135,7 +146,7 @@ class TensorParallelLauncher:
             TensorParallelError: a worker exited during start-up (with its traceback) or the group
                 did not form within ``STARTUP_TIMEOUT_S``.
         """
-        device = device_for_rank(self.device, self.rank)
+        device = device_for_rank(self.device, self.local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         startup = timedelta(seconds=STARTUP_TIMEOUT_S)
@@ -150,7 +161,6 @@ class TensorParallelLauncher:
                                              CONTROL_TIMEOUT)
         else:
             self.group = self._spawn(builds or {}, device)
-        atexit.register(self.shutdown)
         return self.group
 
     def _spawn(self, builds: dict[int, dict], device: torch.device) -> TensorParallelGroup:
@@ -225,12 +235,13 @@ class TensorParallelLauncher:
         for p in self.processes:
             p.join(5)
 
-    def shutdown(self) -> None:
-        """Stop every worker (politely when the group is healthy) and leave the group. Idempotent."""
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop every worker (with a message when the group is healthy and ``polite``, else by
+        killing them) and leave the group. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        healthy = self.group is not None and self.group.failed is None and not self.describe_failure()
+        healthy = polite and self.group is not None and self.group.failed is None and not self.describe_failure()
         if healthy and self.runner is not None and self.is_leader:
             try:
                 self.runner.shutdown()
@@ -240,7 +251,8 @@ class TensorParallelLauncher:
         for p in self.processes:
             p.join(max(0.0, deadline - time.monotonic()))
         self.kill()
-        atexit.unregister(self.shutdown)
+        if self.processes:
+            torch.set_num_threads(self._threads)
         if self.group is not None:   # the private process groups close when dropped
             self.group.failed = self.group.failed or TensorParallelError("the tensor-parallel group was shut down")
             self.group.control = self.group.compute = None

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 
-from specserve.distributed.group import TensorParallelGroup
+from specserve.distributed.group import TensorParallelError, TensorParallelGroup
 from specserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -155,15 +156,32 @@ class TensorParallelRunner(ModelRunner):
         return self.forward_with_logits(input_ids, positions, block_tables, context_lens, query_lens, [],
                                         tree_masks)[0]
 
+    @contextmanager
+    def _in_step(self):
+        """An exception between a message and the end of its collectives (an interrupt, an error
+        on this rank only) leaves the workers waiting inside the step: the group is out of step
+        for good, so it is marked failed and the engine stops instead of pairing the wrong
+        collectives later."""
+        try:
+            yield
+        except BaseException as e:
+            if self.group.failed is None:
+                self.group.failed = TensorParallelError(
+                    f"a tensor-parallel step was interrupted on rank 0 ({type(e).__name__}: {e}); "
+                    f"the ranks are out of step and the engine cannot continue")
+            raise
+
     def forward_with_logits(self, input_ids, positions, block_tables, context_lens, query_lens, logits_rows,
                             tree_masks=None):
-        self.channel.send(pack_step_message(input_ids, positions, block_tables, context_lens, query_lens,
-                                            logits_rows, tree_masks, self.model.aux_hidden_state_layers,
-                                            self._pending_moves))
-        self._pending_moves = []
-        hidden = super().forward_tensors(input_ids, positions, block_tables, context_lens, query_lens, tree_masks)
-        self._last_hidden = hidden
-        return hidden, super().compute_logits(hidden, logits_rows) if logits_rows else None
+        with self._in_step():
+            self.channel.send(pack_step_message(input_ids, positions, block_tables, context_lens, query_lens,
+                                                logits_rows, tree_masks, self.model.aux_hidden_state_layers,
+                                                self._pending_moves))
+            self._pending_moves = []
+            hidden = super().forward_tensors(input_ids, positions, block_tables, context_lens, query_lens,
+                                             tree_masks)
+            self._last_hidden = hidden
+            return hidden, super().compute_logits(hidden, logits_rows) if logits_rows else None
 
     def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of rows of the last forward's hidden states (the workers hold the same ones).
@@ -173,8 +191,9 @@ class TensorParallelRunner(ModelRunner):
         """
         if hidden_states is not self._last_hidden:
             raise ValueError("under tensor parallelism logits are computed from the last forward's hidden states only")
-        self.channel.send_op(OP_LOGITS, list(rows))
-        return super().compute_logits(hidden_states, rows)
+        with self._in_step():
+            self.channel.send_op(OP_LOGITS, list(rows))
+            return super().compute_logits(hidden_states, rows)
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move here now, on the workers before their next forward (nothing reads their caches sooner)."""

@@ -8,7 +8,8 @@ after the MLP; the embedding and the lm_head are split by vocabulary rows.
 Attention heads are split by KV group: a rank holds whole KV heads and the query heads that read
 them; when there are fewer KV heads than ranks each KV head is replicated over ``tp / num_kv_heads``
 ranks, which share its query heads (as vLLM does). Shares may be uneven (SmolLM2's 3 KV heads over 2
-ranks: 2 and 1). Under int8 / int4 every row-parallel cut falls on a 256-value superblock boundary,
+ranks: 2 and 1). Under int8 / int4 every row-parallel cut falls on a 256-value superblock boundary
+(the MLP is then split by superblocks, o_proj must happen to align: Qwen2.5-1.5B at 2 ranks does),
 so each rank's quantized blocks and its activations' per-superblock scales are exactly those of the
 unsharded layer (:meth:`~specserve.models.quantization.QuantizedTensor.select_columns`).
 """
@@ -82,12 +83,13 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int, quantized: bool 
                          f"the KV heads must divide among the ranks or the ranks among them, "
                          f"with each rank keeping whole query heads")
     inter = config.intermediate_size
-    units = -(-inter // SUPERBLOCK)
-    if units >= tp:      # cut on superblocks (required when quantized, harmless otherwise)
+    if quantized:        # down_proj's input rows are cut on superblocks
+        units = -(-inter // SUPERBLOCK)
+        if units < tp:
+            raise ValueError(f"tensor_parallel_size {tp} cannot split the MLP's {inter} columns ({units} "
+                             f"superblocks of {SUPERBLOCK}) for quantized weights; use quantization 'none' "
+                             f"or at most {units} ranks")
         intermediate = tuple(min(inter, u * SUPERBLOCK) for u in _balanced(units, tp, rank))
-    elif quantized:
-        raise ValueError(f"tensor_parallel_size {tp} cannot split the MLP's {inter} columns on "
-                         f"{SUPERBLOCK}-value superblocks for quantized weights")
     else:
         intermediate = _balanced(inter, tp, rank)
     if quantized:
@@ -97,6 +99,9 @@ def plan_shard(config: ModelConfig, rank: int, world_size: int, quantized: bool 
                              f"across {SUPERBLOCK}-value superblocks, which quantized weights cannot split; "
                              f"use quantization 'none' or another tensor_parallel_size")
     shard_rows = -(-config.vocab_size // tp)
+    if (tp - 1) * shard_rows >= config.vocab_size:
+        raise ValueError(f"tensor_parallel_size {tp} leaves a rank without vocabulary rows "
+                         f"(vocab_size {config.vocab_size})")
     vocab = (min(config.vocab_size, rank * shard_rows), min(config.vocab_size, (rank + 1) * shard_rows))
     return TensorParallelShard(rank, tp, q_heads, kv_heads, intermediate, vocab, shard_rows)
 

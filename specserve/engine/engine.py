@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 
 import torch
 
@@ -51,13 +52,22 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None,
                  loaded_draft: LoadedModel | None = None):
         self.args = args
-        dtype = TORCH_DTYPES[args.dtype]
-        torch.manual_seed(args.seed)
         self.tp = None   # the tensor-parallel ranks (specserve.distributed), when tensor_parallel_size > 1
         if args.tensor_parallel_size > 1:
             from specserve.distributed.launcher import TensorParallelLauncher
 
             self.tp = TensorParallelLauncher(args.tensor_parallel_size, args.device, args.distributed_timeout_s)
+            # the workers stop when the engine is collected, at exit, or at shutdown(), whichever is first
+            weakref.finalize(self, self.tp.shutdown)
+        try:
+            self._build(args, loaded, loaded_draft)
+        except BaseException:   # a failed constructor leaves no worker behind
+            self.shutdown()
+            raise
+
+    def _build(self, args: EngineArgs, loaded: LoadedModel | None, loaded_draft: LoadedModel | None) -> None:
+        dtype = TORCH_DTYPES[args.dtype]
+        torch.manual_seed(args.seed)
         loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype, quantization=args.quantization)
         self.load_stats = loaded.load_stats
         self.model_config = cfg = loaded.config
@@ -123,8 +133,7 @@ class LLMEngine:
         """Start (or, under torchrun, join) the ranks and build this rank's shard. Rank 0 returns its
         model, KV cache and :class:`~specserve.distributed.runner.TensorParallelRunner`; any other
         rank serves rank 0 until it shuts down and then ends the process (``SystemExit(0)``)."""
-        from specserve.distributed.group import TensorParallelError
-        from specserve.distributed.launcher import build_rank
+        from specserve.distributed.launcher import STARTUP_TIMEOUT_S, build_rank
         from specserve.distributed.runner import TensorParallelRunner, run_worker
         from specserve.distributed.sharding import shard_weights
 
@@ -139,11 +148,7 @@ class LLMEngine:
         builds = None
         model, kv_cache = build_rank(group, weights=shard_weights(cfg, weights, shards[tp.rank]), shard=shards[tp.rank],
                                      device=group.device, **common)
-        try:
-            group.ready()
-        except TensorParallelError:
-            tp.shutdown()
-            raise
+        group.ready(STARTUP_TIMEOUT_S)
         if not tp.is_leader:
             try:
                 run_worker(model, kv_cache, group)
@@ -153,10 +158,12 @@ class LLMEngine:
         tp.runner = TensorParallelRunner(model, kv_cache, group)
         return model, kv_cache, tp.runner
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do without them). Idempotent."""
+    def shutdown(self, polite: bool = True) -> None:
+        """Stop the tensor-parallel workers (nothing to do without them). Idempotent.
+
+        ``polite=False``: kill them without a message (another thread may still be in a step)."""
         if self.tp is not None:
-            self.tp.shutdown()
+            self.tp.shutdown(polite)
 
     def health(self) -> str | None:
         """What stops the engine from serving (a lost tensor-parallel rank), or None. Any thread."""

@@ -97,7 +97,7 @@ class AsyncLLMEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
-        self.engine.shutdown()
+        self.engine.shutdown(polite=not self._thread.is_alive())   # a step still running: no message
 
     @property
     def is_running(self) -> bool:

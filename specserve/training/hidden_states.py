@@ -142,7 +142,8 @@ def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: i
     with segment_hidden_states(engine, segments) as hidden:
         ids, probs = [], []
         for start in range(0, hidden.shape[0], logits_chunk):
-            logits = engine.runner.model.compute_logits(hidden[start:start + logits_chunk])  # [c, V] float32
+            rows = list(range(start, min(start + logits_chunk, hidden.shape[0])))
+            logits = engine.runner.compute_logits(hidden, rows)  # [c, V] float32 (any tensor-parallel size)
             p, i = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
             ids.append(i)
             probs.append(p)
@@ -331,21 +332,22 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
         raise ValueError("generate_with_hidden_states needs an engine without speculation")
     writer = HiddenStateWriter(out_dir, settings)
     todo = [it for it in items if it[0] not in writer.done]
-    model, top_k = engine.runner.model, settings.top_k
+    runner, top_k = engine.runner, settings.top_k
     captured: dict[int, _CapturedSequence] = {}   # by seq_id
 
     def observe(reqs, result):   # called before the step's tokens are committed
-        caps, parts = [], []
+        caps, parts, flat = [], [], []
         for b, req in enumerate(reqs):
             cap, rows = captured.get(req.seq_id), result.hidden_rows[b]
             if cap is not None and len(rows):
                 caps.append(cap)
                 parts.append(result.hidden_states[rows.start:rows.stop])
+                flat.extend(rows)
         if not caps:
             return
-        hidden = torch.cat(parts)   # one lm_head over the step's rows: the weights are read once
-        with torch.inference_mode():
-            p, i = torch.softmax(model.compute_logits(hidden), dim=-1).topk(top_k, dim=-1)
+        hidden = torch.cat(parts)
+        with torch.inference_mode():   # one lm_head over the step's rows: the weights are read once
+            p, i = torch.softmax(runner.compute_logits(result.hidden_states, flat), dim=-1).topk(top_k, dim=-1)
         sizes = [len(x) for x in parts]
         for cap, h, pp, ii in zip(caps, hidden.split(sizes), p.split(sizes), i.split(sizes)):
             cap.hidden.append(h.to(torch.float16))
@@ -353,7 +355,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
             cap.topk_probs.append(pp.to(torch.float16))
 
     tokens_of: dict[str, list[int]] = {}
-    previous_aux, model.aux_hidden_state_layers = model.aux_hidden_state_layers, settings.aux_layers
+    previous_aux, runner.model.aux_hidden_state_layers = runner.model.aux_hidden_state_layers, settings.aux_layers
     engine.step_observers.append(observe)
     try:
         bar = tqdm(total=len(todo) * params.max_tokens, unit="tok", desc="self-distillation + hidden states",
@@ -385,7 +387,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
         bar.close()
     finally:
         engine.step_observers.remove(observe)
-        model.aux_hidden_state_layers = previous_aux
+        runner.model.aux_hidden_state_layers = previous_aux
         captured.clear()
     writer.close(complete=False)   # complete once the rest of the corpus is precomputed
     return tokens_of
