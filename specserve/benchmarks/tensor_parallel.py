@@ -58,7 +58,8 @@ def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
         steps.append(dt)
         if group is not None:
             after = group.stats
-            comms.append({k: [after[k][i] - before.get(k, [0, 0, 0.0])[i] for i in range(3)] for k in after})
+            delta = {k: [after[k][i] - before.get(k, [0, 0, 0.0])[i] for i in range(3)] for k in after}
+            comms.append({k: v for k, v in delta.items() if k != "start-up barrier"})
             sent.append(channel.bytes_sent - b0[0])
             used.append(channel.bytes_used - b0[1])
     out = {"batch_size": batch_size, "decode_steps": len(steps), "step_ms": 1e3 * statistics.median(steps),
@@ -75,6 +76,29 @@ def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
     return out
 
 
+def plot(reports: list[dict], path: str) -> None:
+    """Stacked bars per (model, batch size, TP): the leader's time in collectives and the rest."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 3.8), squeeze=False)
+    for ax, rep in zip(axes[0], reports):
+        labels, rest, comm = [], [], []
+        for r in rep["results"]:
+            labels.append(f"bs {r['batch_size']}\nTP {r['tensor_parallel_size']}")
+            comm.append(r.get("collectives_ms", 0.0))
+            rest.append(r["step_ms"] - comm[-1])
+        ax.bar(labels, rest, label="compute + host")
+        ax.bar(labels, comm, bottom=rest, label="collectives (incl. waiting)")
+        ax.set_title(f"{rep['model']} ({rep['quantization']})", fontsize=9)
+        ax.set_ylabel("decode step, ms (median)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"tensor parallelism on {reports[0]['machine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -86,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="runs per configuration; the median run is kept")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="a PNG of the step time split (compute vs collectives)")
     args = p.parse_args(argv)
     cores = os.cpu_count() or 1
     results = []
@@ -115,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
+    if args.plot:
+        plot([report], args.plot)
     return 0
 
 
