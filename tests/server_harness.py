@@ -46,11 +46,11 @@ class RunningServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.state.engine.shutdown()
+        self.state.close()
 
 
-def start_server(engine, served_model_name: str, max_queue_len: int = 256) -> RunningServer:
-    state = make_server_state(engine, served_model_name, max_queue_len)
+def start_server(engine, served_model_name: str, max_queue_len: int = 256, **kw) -> RunningServer:
+    state = make_server_state(engine, served_model_name, max_queue_len, **kw)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

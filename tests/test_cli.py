@@ -40,3 +40,25 @@ def test_quantization_bad_input_is_one_clear_line(tiny_qwen2_dir, tmp_path, caps
     assert main(["generate", "--model", str(odd), "--quantization", "int8", "hi"]) == 2
     err = capsys.readouterr().err
     assert "q_proj.weight" in err and "(48, 48)" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_speculative_config_json_flag(tiny_qwen2_dir, capsys):
+    """vLLM's ``--speculative-config '{...}'`` sets the whole config; bad JSON or keys are one clear line."""
+    from specserve.entrypoints.args import engine_args
+    from specserve.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", tiny_qwen2_dir, "--speculative-config",
+                                      '{"method": "ngram", "num_speculative_tokens": 3}', "hi"])
+    spec = engine_args(args).speculative_config
+    assert spec.method == "ngram" and spec.num_speculative_tokens == 3
+    assert main(["generate", "--model", tiny_qwen2_dir, "--speculative-config", '{"method": "ngram", "k": 3}',
+                 "hi"]) == 2
+    assert "unknown speculative_config key(s) ['k']" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny_qwen2_dir, "--speculative-config", "{bad", "hi"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert main(["generate", "--model", tiny_qwen2_dir, "--max-tokens", "8", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 2}', "the quick brown"]) == 0
+    printed = capsys.readouterr().out
+    want = LLM(tiny_qwen2_dir, quantization="int4").generate(["the quick brown"],
+                                                             SamplingParams(temperature=0, max_tokens=8))
+    assert printed == want[0].outputs[0].text + "\n"

@@ -132,7 +132,7 @@ def test_chat_equals_offline(server, offline):
 
 def _stream_completion(c, **kw) -> tuple[str, list, object]:
     text, finish, usage = [], [], None
-    for chunk in c.completions.create(stream=True, **kw):
+    for chunk in c.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
@@ -154,6 +154,24 @@ def test_stream_equals_non_stream(server, stop):
         assert usage.completion_tokens == full.usage.completion_tokens
         if stop:
             assert not any(s in text for s in stop)
+
+
+def test_usage_chunk_only_when_asked(server):
+    """The client's documented loop (``chunk.choices[0]``) works: no usage-only chunk (empty
+    choices) unless ``stream_options.include_usage`` is true, and then it comes last."""
+    c = client(server)
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    chunks = list(c.completions.create(stream=True, **kw))
+    assert chunks and all(len(ch.choices) == 1 and ch.usage is None for ch in chunks)
+    assert "".join(ch.choices[0].text for ch in chunks) == c.completions.create(**kw).choices[0].text
+    for ch in c.chat.completions.create(stream=True, model=NAME, max_tokens=4,
+                                        messages=[{"role": "user", "content": "Hi"}]):
+        assert ch.choices[0].delta is not None
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": False}, **kw))
+    assert all(len(ch.choices) == 1 for ch in chunks)
+    chunks = list(c.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert all(len(ch.choices) == 1 for ch in chunks[:-1])
 
 
 def test_chat_stream_equals_non_stream(server):

@@ -45,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", "--speculative-quantization", choices=list(QUANTIZATIONS), default=None,
                    help="the draft model's linears (default: the same as --quantization); the output stays "
                         "exact whatever the draft's numerics, since the target verifies every token")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's spelling: the whole speculative config as JSON, e.g. "
+                        "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' (keys of SpeculativeConfig); "
+                        "replaces the --speculative-* / --num-speculative-tokens flags")
     p.add_argument("--no-speculation", action="store_true", help="decode without a draft")
     p.add_argument("--no-adaptive-speculation", action="store_true",
                    help="always draft k tokens; by default k is chosen per step (0 = off) from measured "
@@ -84,7 +88,23 @@ def is_head(name: str) -> bool:
 
 
 def speculative_config(args: argparse.Namespace) -> dict | None:
-    """The draft-model config the flags ask for, or None without speculation."""
+    """The draft-model config the flags ask for, or None without speculation.
+
+    Raises:
+        ValueError: ``--speculative-config`` that is not a JSON object, or given with ``--no-speculation``.
+    """
+    if getattr(args, "speculative_config", None) is not None:
+        import json
+
+        if args.no_speculation:
+            raise ValueError("--speculative-config and --no-speculation contradict each other")
+        try:
+            cfg = json.loads(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config is not valid JSON ({e}): {args.speculative_config!r}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {args.speculative_config!r}")
+        return cfg
     if args.no_speculation:
         return None
     common = {"num_speculative_tokens": args.num_speculative_tokens, "adaptive": not args.no_adaptive_speculation}

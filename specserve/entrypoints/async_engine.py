@@ -71,10 +71,12 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, engine: LLMEngine, on_step: Callable[[StepStats], None] | None = None,
-                 on_finished: Callable[[RequestOutput], None] | None = None):
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_gauges: Callable[[int, int, float], None] | None = None):
         self.engine = engine
         self.on_step = on_step
         self.on_finished = on_finished
+        self.on_gauges = on_gauges
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -156,6 +158,7 @@ class AsyncLLMEngine:
                 if rid in self._streams:
                     self.engine.abort_request(rid)
                     self._streams.pop(rid).put(None)
+                    self._publish()
 
     def _loop(self) -> None:
         engine = self.engine
@@ -191,3 +194,5 @@ class AsyncLLMEngine:
     def _publish(self) -> None:
         sched = self.engine.scheduler
         self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        if self.on_gauges is not None:   # also between steps: an abort shows at once
+            self.on_gauges(self.num_running, self.num_waiting, self.engine.block_manager.usage)

@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--max-queue-len", type=int, default=256,
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
+    s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                   help="request bodies larger than this get 413 before they are parsed (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
 

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -73,6 +74,53 @@ class _ChoiceState:
     finished: bool = False
 
 
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``state.max_request_bytes`` is answered 413 in OpenAI's
+    error format before anything parses it (by its Content-Length, or as soon as that many bytes
+    of a chunked body have arrived)."""
+
+    def __init__(self, app, state: "ServerState"):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.state.max_request_bytes
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._too_large(send, limit)
+        # read the body here (the app would hold it all anyway), stopping at the limit
+        messages, seen = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                return await self._too_large(send, limit)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _too_large(send, limit: int) -> None:
+        resp = error_response(413, f"the request body is larger than the server's limit of {limit} bytes "
+                                   f"(--max-request-bytes)", param=None)
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(resp.body)).encode())]})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
 @dataclass
 class ServerState:
     engine: AsyncLLMEngine
@@ -81,10 +129,22 @@ class ServerState:
     metrics: ServerMetrics
     tokenizer: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:  # the front end's own copy: HF tokenizers are not thread-safe
             self.tokenizer = copy.deepcopy(self.engine.engine.tokenizer)
+        # prompts are tokenized and checked here, one at a time, off the event loop
+        self.prep = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specserve-tokenize")
+
+    def close(self) -> None:
+        """Stop the engine (and its workers) and the tokenizing thread."""
+        self.engine.shutdown()
+        self.prep.shutdown(wait=False)
+
+    async def prepare(self, fn, *args):
+        """Run ``fn(*args)`` (tokenization and validation) on the front end's worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, fn, *args)
 
     @property
     def max_model_len(self) -> int:
@@ -131,7 +191,23 @@ def _prepare(state: ServerState, text: str | None, ids: list[int], body, max_tok
     return _Prompt(text, ids, params)
 
 
+def _refuse_unsupported(body) -> None:
+    refused = body.refuse_unsupported()
+    if refused is not None:
+        raise APIError(400, refused[1], param=refused[0])
+
+
+def _encode(state: ServerState, text: str, param: str, **kw) -> list[int]:
+    """Token ids of ``text``; text the tokenizer cannot take (a lone surrogate) is a 400."""
+    try:
+        return list(state.tokenizer.encode(text, **kw))
+    except Exception as e:  # noqa: BLE001 - the tokenizer's own error types vary by backend
+        raise APIError(400, f"the {param} could not be tokenized ({type(e).__name__}: {e}); send valid "
+                            f"Unicode text", param=param) from None
+
+
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Prompt]:
+    _refuse_unsupported(body)
     if body.echo:
         raise APIError(400, "echo=true is not supported", param="echo")
     if body.suffix:
@@ -155,7 +231,7 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Pr
         if isinstance(item, str):
             if not item:
                 raise APIError(400, "prompt is empty: give at least one character or token id", param="prompt")
-            text, ids = item, list(state.tokenizer.encode(item))
+            text, ids = item, _encode(state, item, "prompt")
         else:
             text, ids = None, list(item)
         if not ids:
@@ -177,6 +253,7 @@ def _message_text(content) -> str:
 
 
 def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> _Prompt:
+    _refuse_unsupported(body)
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
@@ -188,7 +265,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> _Prompt:
                                                    add_generation_prompt=body.add_generation_prompt)
     except Exception as e:  # jinja raises for conversations the template refuses (e.g. bad roles)
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    ids = list(state.tokenizer.encode(text, add_special_tokens=False))
+    ids = _encode(state, text, "messages", add_special_tokens=False)
     if not ids:
         raise APIError(400, "the chat template produced an empty prompt", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -383,6 +460,11 @@ class _Generation:
         yield "data: [DONE]\n\n"
 
 
+def _include_usage(body) -> bool:
+    """OpenAI ends a stream with a usage-only chunk (empty ``choices``) only when asked to."""
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
 async def _until_disconnected(request: Request) -> None:
     while True:
         message = await request.receive()
@@ -410,11 +492,30 @@ async def _respond(request: Request, gen: _Generation, stream: bool, include_usa
 
 
 # ---------------------------------------------------------------------- the app
+# pydantic names the member of a union it tried in an error's location ("stop.str", "stop.list[str]")
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _most_specific_error(errs: list[dict]) -> dict:
+    """Of a union field's errors, the one for the member the input's type matches (a list given
+    for ``str | list[str]`` is reported against the list's rule, e.g. its length), else the first."""
+    first = errs[0] if errs else {}
+    field = next((x for x in first.get("loc", ()) if x != "body"), None)
+    value = first.get("input")
+    if isinstance(value, list):
+        for e in errs:
+            loc = [x for x in e.get("loc", ()) if x != "body"]
+            if loc[:1] == [field] and any(isinstance(x, str) and x.startswith("list[") for x in loc):
+                return e
+    return first
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application over a started :class:`AsyncLLMEngine`."""
     app = FastAPI(title="specserve", version="0.1.0",
                   description="OpenAI-compatible server with lossless speculative decoding")
     app.state.server = state
+    app.add_middleware(BodySizeLimit, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -431,7 +532,9 @@ def build_app(state: ServerState) -> FastAPI:
             pos = first.get("loc", (None, None))[-1]
             return error_response(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'invalid')}"
                                        f" at character {pos})")
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        first = _most_specific_error(errs)
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and x not in _UNION_TAGS
+                       and not (isinstance(x, str) and "[" in x))
         value = first.get("input")
         shown = repr(value)[:120] if not isinstance(value, dict) else "an object"
         msg = f"{loc or 'body'}: {first.get('msg', 'invalid')} (got {shown})"
@@ -449,7 +552,7 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("internal error")
         return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not state.engine.is_running:
             problem = state.engine.engine.health() or state.engine.dead
@@ -469,29 +572,30 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
-        prompts = _completion_prompts(state, body)
+        prompts = await state.prepare(_completion_prompts, state, body)   # tokenizing may take long
         _check_queue(state, len(prompts) * body.n)
-        include_usage = body.stream_options.include_usage if body.stream_options else True
         return await _respond(request, _Generation(state, prompts, "completion", body.n), body.stream,
-                              include_usage)
+                              _include_usage(body))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(state, body.model)
-        prompt = _chat_prompt(state, body)
+        prompt = await state.prepare(_chat_prompt, state, body)
         _check_queue(state, body.n)
-        include_usage = body.stream_options.include_usage if body.stream_options else True
-        return await _respond(request, _Generation(state, [prompt], "chat", body.n), body.stream, include_usage)
+        return await _respond(request, _Generation(state, [prompt], "chat", body.n), body.stream,
+                              _include_usage(body))
 
     return app
 
 
-def make_server_state(engine, served_model_name: str, max_queue_len: int = 256) -> ServerState:
+def make_server_state(engine, served_model_name: str, max_queue_len: int = 256,
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> ServerState:
     """Wrap an :class:`LLMEngine` for serving and start its loop thread."""
     metrics = ServerMetrics(engine.num_speculative_tokens)
-    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_finished=metrics.on_finished)
+    async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_finished=metrics.on_finished,
+                                  on_gauges=metrics.set_gauges)
     async_engine.start()
-    return ServerState(async_engine, served_model_name, max_queue_len, metrics)
+    return ServerState(async_engine, served_model_name, max_queue_len, metrics, max_request_bytes=max_request_bytes)
 
 
 def run_server(args) -> int:
@@ -507,16 +611,18 @@ def run_server(args) -> int:
 
     if args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(engine_args(args))
-    state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len)
+    state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len, args.max_request_bytes)
     logger.info("serving %s (max_model_len %d, speculation %s) on http://%s:%d", state.served_model_name,
                 engine.max_model_len, engine.spec_config or "off", args.host, args.port)
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
     finally:
-        state.engine.shutdown()
+        state.close()
     return 0

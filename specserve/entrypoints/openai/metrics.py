@@ -55,10 +55,14 @@ class ServerMetrics:
                                     "Decode-only steps by the number of draft tokens chosen (0 = off)",
                                     ["num_speculative_tokens"], registry=r)
 
+    def set_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Requests running / waiting and the KV pool's used share, as they are now."""
+        self.num_requests_running.set(num_running)
+        self.num_requests_waiting.set(num_waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+
     def on_step(self, stats: StepStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.set_gauges(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
         if stats.num_preempted:
             self.num_preemptions.inc(stats.num_preempted)
         if stats.num_speculative_tokens is not None:

@@ -17,13 +17,17 @@ MAX_STOP = 4           # stop strings per request, as OpenAI
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = True
+    model_config = ConfigDict(strict=True)
+
+    include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Strict types: ``"stream": "yes"``,
+    ``"max_tokens": true`` or a prompt of booleans are errors, not coerced (JSON integers still
+    fill float fields)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -44,6 +48,32 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # accepted so that they can be refused by name (400) rather than silently ignored
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    metadata: dict | None = None
+
+    def refuse_unsupported(self) -> tuple[str, str] | None:
+        """``(param, message)`` for a field whose meaning this server would not honour, else None."""
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            return ("response_format", f"response_format type {fmt.get('type')!r} is not supported yet "
+                                       f"(structured output); only 'text'")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return (name, f"{name} is not supported yet (structured output)")
+        if self.tool_choice not in (None, "none", "auto"):
+            return ("tool_choice", f"tool_choice {self.tool_choice!r} demands a tool call, which this server "
+                                   f"does not produce")
+        if self.tools and self.tool_choice != "none":
+            return ("tools", "tool calling is not supported: the model's tool calls would come back as plain "
+                             "text; send tool_choice 'none' to use the tools only as context, or no tools")
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ``ValueError`` naming a bad value (the server answers 400)."""
@@ -70,7 +100,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[dict] | None = None
