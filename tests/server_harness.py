@@ -61,3 +61,20 @@ def start_server(engine, served_model_name: str, max_queue_len: int = 256, **kw)
             raise RuntimeError("server did not start")
         time.sleep(0.02)
     return RunningServer(f"http://127.0.0.1:{port}", state, server, thread)
+
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def start_tiny_server(target_dir: str, name: str = "tiny", max_model_len: int = 64, **kw) -> RunningServer:
+    """The tiny random model (a plain chat template) served with itself as the draft (speculation on)."""
+    from specserve.engine.engine import EngineArgs, LLMEngine
+    from specserve.models.loader import load_model
+
+    target = load_model(target_dir)
+    target.tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    spec = {"method": "draft_model", "model": target_dir, "num_speculative_tokens": 3}
+    engine = LLMEngine(EngineArgs(model=name, max_model_len=max_model_len, speculative_config=spec), loaded=target,
+                       loaded_draft=load_model(target_dir))
+    return start_server(engine, name, **kw)

@@ -13,24 +13,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from specserve.engine.engine import EngineArgs, LLMEngine
-from specserve.models.loader import load_model
-from tests.server_harness import start_server
+from tests.server_harness import start_tiny_server
 
 NAME = "tiny"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
 EXAMPLES = 120
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_qwen2_dir):
-    target = load_model(tiny_qwen2_dir)
-    target.tokenizer.chat_template = CHAT_TEMPLATE
-    spec = {"method": "draft_model", "model": tiny_qwen2_dir, "num_speculative_tokens": 3}
-    engine = LLMEngine(EngineArgs(model=NAME, max_model_len=64, speculative_config=spec), loaded=target,
-                       loaded_draft=load_model(tiny_qwen2_dir))
-    s = start_server(engine, NAME)
+    s = start_tiny_server(tiny_qwen2_dir, NAME, max_model_len=64)
     yield s
     s.stop()
 

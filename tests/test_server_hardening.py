@@ -10,10 +10,7 @@ import time
 import httpx
 import pytest
 
-from specserve.engine.engine import EngineArgs, LLMEngine
-from specserve.models.loader import load_model
-from tests.server_harness import start_server
-from tests.test_server_fuzz import CHAT_TEMPLATE
+from tests.server_harness import start_tiny_server
 
 NAME = "tiny"
 LIMIT = 6 * 2**20
@@ -21,12 +18,7 @@ LIMIT = 6 * 2**20
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2_dir):
-    target = load_model(tiny_qwen2_dir)
-    target.tokenizer.chat_template = CHAT_TEMPLATE
-    spec = {"method": "draft_model", "model": tiny_qwen2_dir, "num_speculative_tokens": 3}
-    engine = LLMEngine(EngineArgs(model=NAME, max_model_len=256, speculative_config=spec), loaded=target,
-                       loaded_draft=load_model(tiny_qwen2_dir))
-    s = start_server(engine, NAME, max_request_bytes=LIMIT)
+    s = start_tiny_server(tiny_qwen2_dir, NAME, max_model_len=256, max_request_bytes=LIMIT)
     yield s
     s.stop()
 
