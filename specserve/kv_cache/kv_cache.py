@@ -9,7 +9,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "move_kv_slots"]
+
+
+def move_kv_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy K/V entries from slots ``src [N]`` to ``dst [N]`` (int64) in every layer of caches
+    ``[num_layers, num_blocks, block_size, Hkv, D]`` (contiguous); a source may also be a target."""
+    for cache in (key_cache, value_cache):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])    # [L, num_slots, Hkv, D]
+        moved = flat.index_select(1, src.to(cache.device))          # gather first: a source may be a target
+        flat.index_copy_(1, dst.to(cache.device), moved)
 
 
 class KVCache:

@@ -35,6 +35,8 @@ from typing import Callable
 
 import torch
 
+from specserve.kv_cache.kv_cache import move_kv_slots
+
 # EAGLE-1's default tree (its repository's ``mc_sim_7b_63`` choice): 25 draft tokens, depth 5.
 EAGLE1_TREE: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (3,),
@@ -379,15 +381,6 @@ def accepted_kv_moves(slots: torch.Tensor, accepted_nodes: list[int]) -> tuple[t
     if torch.equal(src, dst):       # the path was the first branch all the way: already in place
         return None
     return src, dst
-
-
-def move_kv_slots(key_cache: torch.Tensor, value_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy K/V entries from slots ``src [N]`` to ``dst [N]`` (int64) in every layer of caches
-    ``[num_layers, num_blocks, block_size, Hkv, D]`` (contiguous); a source may also be a target."""
-    for cache in (key_cache, value_cache):
-        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])    # [L, num_slots, Hkv, D]
-        moved = flat.index_select(1, src.to(cache.device))          # gather first: a source may be a target
-        flat.index_copy_(1, dst.to(cache.device), moved)
 
 
 def compact_accepted_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor,

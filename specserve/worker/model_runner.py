@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.attention.metadata import AttentionMetadata
-from specserve.kv_cache.kv_cache import KVCache
+from specserve.kv_cache.kv_cache import KVCache, move_kv_slots
 from specserve.models.llama import LlamaForCausalLM
 
 
@@ -86,9 +86,7 @@ class ModelRunner:
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the K/V entries at cache slots ``src [N]`` int64 to slots ``dst [N]`` in every layer
-        (tree verification's accepted path, :func:`~specserve.spec_decode.tree.move_kv_slots`)."""
-        from specserve.spec_decode.tree import move_kv_slots
-
+        (tree verification's accepted path)."""
         move_kv_slots(self.kv_cache.key_cache, self.kv_cache.value_cache, src, dst)
 
     def compute_logits(self, hidden_states: torch.Tensor, rows: list[int]) -> torch.Tensor:
