@@ -347,9 +347,9 @@ def test_no_worker_outlives_a_failed_or_dropped_engine(wide_dir):
     assert _gone(worker.pid)
 
 
-def test_teacher_forcing_and_hidden_states_at_tp2(wide_dir):
-    """The offline paths that read the target's logits directly (bench --quality, head data) go
-    through the runner, so they work sharded too."""
+def test_teacher_forcing_at_tp2(wide_dir):
+    """Teacher forcing (bench --quality; the head-data precompute takes logits the same way, through
+    the runner) works sharded and agrees with TP = 1."""
     from specserve.benchmarks.quality import teacher_forced
 
     segs = [p["prompt_token_ids"] for p in prompts([12, 30])]
@@ -357,3 +357,37 @@ def test_teacher_forcing_and_hidden_states_at_tp2(wide_dir):
     with LLM(wide_dir, tensor_parallel_size=2) as llm:
         got = teacher_forced(llm.llm_engine, segs)
     assert got["argmax"] == ref["argmax"] and got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5)
+
+
+def test_keepalive_messages_keep_the_ranks_in_step(wide_dir):
+    with LLM(wide_dir, tensor_parallel_size=2) as llm:
+        before = token_ids(llm.generate(prompts([5, 9]), GREEDY))
+        channel = llm.llm_engine.tp.runner.channel
+        sent = channel.num_messages
+        llm.llm_engine.keepalive(idle_s=0)          # what the server's idle loop sends
+        llm.llm_engine.keepalive(idle_s=3600)       # not idle long enough: nothing sent
+        assert channel.num_messages == sent + 1
+        assert token_ids(llm.generate(prompts([5, 9]), GREEDY)) == before
+
+
+def test_a_spawned_worker_exits_when_its_leader_is_killed(wide_dir):
+    import subprocess
+    import sys
+
+    code = ("import sys; from specserve import LLM\n"
+            "if __name__ == '__main__':\n"
+            f"    llm = LLM({wide_dir!r}, tensor_parallel_size=2)\n"
+            "    print(llm.llm_engine.tp.processes[0].pid, flush=True)\n"
+            "    sys.stdin.read()\n")
+    leader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(leader.stdout.readline())
+        assert not _gone(worker)
+        leader.kill()
+        leader.wait(10)
+        deadline = time.monotonic() + 10
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(worker), "the worker outlived its leader"
+    finally:
+        leader.kill()

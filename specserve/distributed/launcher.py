@@ -216,15 +216,23 @@ class TensorParallelLauncher:
                 problems.append(f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}{why}")
         return "; ".join(problems)
 
-    def check(self) -> None:
-        """Raise :class:`TensorParallelError` if a worker died or the group already failed."""
+    def problem(self) -> TensorParallelError | None:
+        """Why the group cannot serve (a failed collective, a worker that exited), or None; a lost
+        worker is recorded as the group's failure. Any thread."""
         if self.group is not None and self.group.failed is not None:
-            raise self.group.failed
-        problem = self.describe_failure()
-        if problem:
-            err = TensorParallelError(f"tensor-parallel group lost a rank: {problem}")
-            if self.group is not None:
-                self.group.failed = err
+            return self.group.failed
+        lost = self.describe_failure()
+        if not lost:
+            return None
+        err = TensorParallelError(f"tensor-parallel group lost a rank: {lost}")
+        if self.group is not None:
+            self.group.failed = err
+        return err
+
+    def check(self) -> None:
+        """Raise :meth:`problem`, if there is one."""
+        err = self.problem()
+        if err is not None:
             raise err
 
     # ------------------------------------------------------------------ stop

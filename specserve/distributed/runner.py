@@ -67,8 +67,12 @@ def unpack_step_message(msg: torch.Tensor) -> dict:
     head = msg[:HEADER].tolist()
     _, length, b, t, n_aux, n_rows, n_moves, n_values, n_tables, has_trees = head
     host = msg[HEADER:length - t].tolist()
-    it = iter(host)
-    take = lambda n: [next(it) for _ in range(n)]
+    at = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal at
+        at += n
+        return host[at - n:at]
     aux = take(n_aux)
     context_lens, query_lens, table_lens = take(b), take(b), take(b)
     flat_tables = take(n_tables)

@@ -28,6 +28,7 @@ from specserve.models.quantization import to_device
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specserve.sample.sampler import make_generator
 from specserve.sampling_params import SamplingParams
+from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step import LogprobEntry, StepResult
 from specserve.worker.target_worker import TargetWorker
 
@@ -96,17 +97,17 @@ class LLMEngine:
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                 self.max_model_len)
         self.block_manager = BlockManager(num_blocks, args.block_size)
-        runner = None
         if self.tp is None:
             self.model = LlamaForCausalLM(cfg, weights, args.quantization).eval()
             self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,
                                     cfg.num_key_value_heads, cfg.head_dim, dtype, args.device)
+            runner = ModelRunner(self.model, self.kv_cache)
         else:
             self.model, self.kv_cache, runner = self._start_tensor_parallel(weights, shards, num_blocks, dtype)
             weights = to_device({k: weights[k] for k in ("model.embed_tokens.weight", "lm_head.weight") if k in weights},
                                 args.device, dtype)   # what a draft head shares with the target
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.target_worker = TargetWorker(self.model, self.kv_cache, runner)
+        self.target_worker = TargetWorker(runner)
         self.spec_config = args.speculative_config
         self.worker = self.target_worker
         if self.spec_config is not None:
@@ -167,11 +168,8 @@ class LLMEngine:
 
     def health(self) -> str | None:
         """What stops the engine from serving (a lost tensor-parallel rank), or None. Any thread."""
-        if self.tp is None:
-            return None
-        if self.tp.group is not None and self.tp.group.failed is not None:
-            return str(self.tp.group.failed)
-        return self.tp.describe_failure() or None
+        err = self.tp.problem() if self.tp is not None else None
+        return None if err is None else str(err)
 
     def keepalive(self, idle_s: float = 600.0) -> None:
         """Called while idle: ping the workers when nothing was sent for ``idle_s`` seconds, so their

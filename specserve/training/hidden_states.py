@@ -336,19 +336,18 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
     captured: dict[int, _CapturedSequence] = {}   # by seq_id
 
     def observe(reqs, result):   # called before the step's tokens are committed
-        caps, parts, flat = [], [], []
+        caps, sizes, flat = [], [], []
         for b, req in enumerate(reqs):
             cap, rows = captured.get(req.seq_id), result.hidden_rows[b]
             if cap is not None and len(rows):
                 caps.append(cap)
-                parts.append(result.hidden_states[rows.start:rows.stop])
+                sizes.append(len(rows))
                 flat.extend(rows)
         if not caps:
             return
-        hidden = torch.cat(parts)
+        hidden = result.hidden_states[torch.tensor(flat)]
         with torch.inference_mode():   # one lm_head over the step's rows: the weights are read once
             p, i = torch.softmax(runner.compute_logits(result.hidden_states, flat), dim=-1).topk(top_k, dim=-1)
-        sizes = [len(x) for x in parts]
         for cap, h, pp, ii in zip(caps, hidden.split(sizes), p.split(sizes), i.split(sizes)):
             cap.hidden.append(h.to(torch.float16))
             cap.topk_ids.append(ii.to(torch.int32))

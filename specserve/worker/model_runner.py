@@ -59,11 +59,6 @@ class ModelRunner:
                                       [x.context_len for x in inputs], [len(x.token_ids) for x in inputs], tree_masks)
         return ForwardOutput(hidden, last_rows)
 
-    def forward_batch(self, batch) -> torch.Tensor:
-        """Every new token of a :class:`~specserve.worker.step.StepBatch`: hidden states ``[T, H]``."""
-        return self.forward_tensors(batch.input_ids, batch.positions, batch.block_tables, batch.context_lens,
-                                    batch.query_lens)
-
     def forward_tensors(self, input_ids: torch.Tensor, positions: list[int] | torch.Tensor, block_tables: list[list[int]],
                         context_lens: list[int], query_lens: list[int],
                         tree_masks: list[torch.Tensor | None] | None = None) -> torch.Tensor:

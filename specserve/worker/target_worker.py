@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kv_cache.kv_cache import KVCache
-from specserve.models.llama import LlamaForCausalLM
 from specserve.sample.sampler import Sampler, SamplerOutput
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step import LogprobEntry, StepBatch, StepResult
@@ -36,12 +34,12 @@ def logprob_entries(out: SamplerOutput, rows: list[list[int]], params: list) -> 
 
 class TargetWorker:
     """Args:
-        model: the target decoder.
-        kv_cache: its paged K/V tensors (pages addressed by the engine's block tables).
+        runner: the target's :class:`ModelRunner` (its model and paged KV tensors; under tensor
+            parallelism the leader's :class:`~specserve.distributed.runner.TensorParallelRunner`).
     """
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, runner: ModelRunner | None = None):
-        self.runner = runner if runner is not None else ModelRunner(model, kv_cache)
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
         self.sampler = Sampler()
 
     @property
