@@ -231,6 +231,9 @@ class EngineArgs:
     ``draft_quantization`` (default: the same as the target's). ``tensor_parallel_size`` (vLLM's
     name) shards the target over that many ranks (:mod:`specserve.distributed`; the draft stays
     whole on rank 0); ``distributed_timeout_s`` bounds how long a step waits for a rank.
+    ``enable_prefix_caching`` (vLLM's name, on by default as there): requests reuse the cached
+    pages of a prompt prefix seen before, the target's and the draft's / head's entries alike
+    (:mod:`specserve.kv_cache.block_manager`).
 
     Raises:
         ValueError: a bad value, named (dtype, quantization with a non-float32 dtype or a non-CPU
@@ -252,6 +255,7 @@ class EngineArgs:
     quantization: str = "none"
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         from specserve.models.quantization import check_quantization

@@ -60,4 +60,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    # one {token id: Logprob} per prompt token (None for the first), with SamplingParams.prompt_logprobs
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     extra: dict = field(default_factory=dict)

@@ -28,8 +28,14 @@ class SamplingParams:
         stop: stop strings (a single string is normalized to a one-element list).
         stop_token_ids: token ids that end generation (besides EOS).
         ignore_eos: keep generating past EOS.
-        max_tokens: maximum generated tokens; None = until the model's max length.
+        max_tokens: maximum generated tokens; None = until the model's max length; 0 = none, the
+            prompt is only computed (with ``prompt_logprobs``: scoring a text, as evaluation
+            harnesses do).
         logprobs: number of top logprobs to return besides the sampled token's; None = none.
+        prompt_logprobs: like ``logprobs`` for every prompt token after the first (vLLM's name):
+            its logprob under the model given the tokens before it (log_softmax of the raw
+            logits) and the top ones; None = none. Such a request computes its whole prompt
+            (it is never served from the prefix cache).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the output text.
     """
@@ -48,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -86,10 +93,12 @@ class SamplingParams:
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int)
-                                            or self.max_tokens <= 0):
-            raise ValueError(f"max_tokens must be a positive integer or None, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer or None, got {self.logprobs!r}")
+                                            or isinstance(self.max_tokens, bool) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be a non-negative integer or None, got {self.max_tokens!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {v!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.n:

@@ -141,7 +141,7 @@ def test_abort_frees_pages(llm):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "-3"),
+    (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=-3), "-3"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
     (dict(temperature=-0.5), "-0.5"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "1.5"),
 ])
 def test_bad_sampling_params(kwargs, needle):

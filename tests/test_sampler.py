@@ -363,7 +363,7 @@ def test_logprobs_zero_returns_only_sampled():
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", -0.1),
     ("min_p", 1.1), ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
     ("presence_penalty", 2.5), ("presence_penalty", -2.1), ("frequency_penalty", 3.0),
-    ("frequency_penalty", -2.5), ("max_tokens", 0), ("max_tokens", -3), ("n", 0), ("logprobs", -1),
+    ("frequency_penalty", -2.5), ("max_tokens", True), ("max_tokens", -3), ("prompt_logprobs", -1), ("n", 0), ("logprobs", -1),
 ])
 def test_params_invalid_values(field, value):
     with pytest.raises(ValueError) as exc:

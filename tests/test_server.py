@@ -268,7 +268,7 @@ def _error(resp: httpx.Response) -> dict:
     ({"prompt": "hello " * 600, "max_tokens": 5}, "maximum context length"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "seed": "abc"}, "seed"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens"),
     ({"prompt": 5}, "prompt"),
     ({}, "prompt"),
 ])

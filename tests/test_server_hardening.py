@@ -122,3 +122,126 @@ def test_gauges_reflect_an_abort_at_once(server):
             break
         time.sleep(0.05)
     assert "specserve_num_requests_running 0.0" in metrics and "specserve_kv_cache_usage_perc 0.0" in metrics
+
+
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(server):
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: 0 the first time, the shared full
+    pages the second (the tiny server's block size is 16); the hit counter on /metrics agrees."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    prompt = list(range(3, 3 + 40))
+    first = client.completions.create(model=NAME, prompt=prompt + [50], max_tokens=2, temperature=0)
+    second = client.completions.create(model=NAME, prompt=prompt + [60, 61], max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32
+    server.wait_idle()
+    metrics = httpx.get(server.base_url + "/metrics").text
+    hits = [line for line in metrics.splitlines() if line.startswith("specserve_prefix_cache_hit_tokens_total")]
+    assert hits and float(hits[0].split()[-1]) >= 32
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, tiny_qwen2_dir):
+    """``echo`` + ``logprobs`` (what evaluation harnesses send for log-likelihoods): the prompt's
+    tokens come first with null for the first one, their logprobs equal the offline engine's
+    prompt_logprobs (themselves checked against HF in tests/test_prompt_logprobs.py), the text
+    starts with the prompt, streamed equals non-streamed, and max_tokens=0 scores without generating."""
+    from openai import OpenAI
+
+    from specserve import LLM, SamplingParams
+
+    client = OpenAI(base_url=server.base_url + "/v1", api_key="x")
+    prompt = "the quick brown fox jumps"
+    ids = server.engine.tokenizer.encode(prompt)
+    ref = LLM(tiny_qwen2_dir).generate([prompt], SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                                prompt_logprobs=2))[0]
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    ch = r.choices[0]
+    assert ch.text.startswith(prompt) and ch.text == prompt + ref.outputs[0].text
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [ref.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
+    want += [e[t].logprob for e, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs[1:])   # keyed by text: partial UTF-8 tokens collide
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # streamed: the first chunk carries the prompt
+    text, tokens, token_lps = "", [], []
+    for chunk in client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=2, stream=True):
+        text += chunk.choices[0].text
+        if chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            token_lps += chunk.choices[0].logprobs.token_logprobs
+    assert text == ch.text and tokens == lp.tokens and token_lps == lp.token_logprobs
+    # scoring only
+    r = client.completions.create(model=NAME, prompt=[ids], max_tokens=0, echo=True, logprobs=0)
+    ch = r.choices[0]
+    assert ch.text == server.engine.tokenizer.decode(ids) and ch.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and len(ch.logprobs.tokens) == len(ids)
+    assert ch.logprobs.token_logprobs[1:] == pytest.approx(want[:len(ids) - 1], abs=1e-5)
+    resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0})
+    assert resp.status_code == 400 and error(resp)["param"] == "max_tokens"
+
+
+def _sse_objects(resp) -> list[dict]:
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            out.append(json.loads(line[len("data: "):]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_every_response_validates_against_the_openai_types(server, kind, stream, n, logprobs):
+    """Raw JSON bodies and stream chunks, validated with the ``openai`` package's own pydantic
+    models (which its client does not do): a missing or mistyped field fails here."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    body = {"max_tokens": 4, "n": n, "temperature": 0.8, "seed": 1, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if kind == "completions":
+        body.update(prompt=["def f(x):", "the quick"])
+        if logprobs:
+            body["logprobs"] = 2
+        path, full_type, chunk_type = "/v1/completions", Completion, Completion
+    else:
+        body.update(messages=[{"role": "user", "content": "hello there"}])
+        if logprobs:
+            body.update(logprobs=True, top_logprobs=2)
+        path, full_type, chunk_type = "/v1/chat/completions", ChatCompletion, ChatCompletionChunk
+    resp = post(server, path, body)
+    assert resp.status_code == 200, resp.text
+    num_choices = n * (2 if kind == "completions" else 1)
+    if not stream:
+        obj = full_type.model_validate(resp.json(), strict=False)
+        assert sorted(c.index for c in obj.choices) == list(range(num_choices))
+        assert obj.usage is not None and obj.usage.completion_tokens > 0
+        assert all((c.logprobs is not None) == logprobs for c in obj.choices)
+        return
+    objs = _sse_objects(resp)
+    if kind == "completions":
+        # OpenAI streams finish_reason null until a choice ends, which the openai package's
+        # Completion type (written for whole responses) does not allow: check it, then fill it
+        for o in objs:
+            for c in o["choices"]:
+                assert c["finish_reason"] in (None, "stop", "length")
+        objs = [{**o, "choices": [{**c, "finish_reason": c["finish_reason"] or "length"} for c in o["choices"]]}
+                for o in objs]
+    chunks = [chunk_type.model_validate(o) for o in objs]
+    if kind == "completions":   # restore the real finish reasons for the checks below
+        for ch, o in zip(chunks, _sse_objects(resp)):
+            for c, raw in zip(ch.choices, o["choices"]):
+                c.finish_reason = raw["finish_reason"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    seen = {c.index for ch in chunks[:-1] for c in ch.choices}
+    assert seen == set(range(num_choices))
+    finished = [c.index for ch in chunks for c in ch.choices if c.finish_reason is not None]
+    assert sorted(finished) == list(range(num_choices))
+    if logprobs:
+        assert any(c.logprobs is not None for ch in chunks for c in ch.choices)

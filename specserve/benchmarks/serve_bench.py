@@ -172,7 +172,8 @@ def _draft_config(args: argparse.Namespace) -> dict | None:
 
 # engine flags passed to the server as given (those the CLI does not define are skipped)
 SERVER_FLAGS = ("model", "dtype", "quantization", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "kv_cache_memory_gb", "num_blocks")
+                "kv_cache_memory_gb", "num_blocks", "enable_prefix_caching")
+NEGATABLE_FLAGS = ("enable_prefix_caching",)   # on by default: passed as --no-... when off
 DRAFT_FLAGS = ("speculative_model", "speculative_method", "num_speculative_tokens", "draft_quantization",
                "no_adaptive_speculation", "prompt_lookup_max", "prompt_lookup_min", "speculative_token_tree",
                "eagle_topk", "num_draft_tokens")
@@ -185,7 +186,9 @@ def _flags(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
     out = []
     for name in names:
         value = getattr(args, name, None)
-        if value is not None and value is not False:
+        if value is False and name in NEGATABLE_FLAGS:
+            out.append(f"--no-{name.replace('_', '-')}")
+        elif value is not None and value is not False:
             out += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return out
 

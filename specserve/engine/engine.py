@@ -38,6 +38,14 @@ TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 __all__ = ["DEFAULT_MODEL", "EngineArgs", "LLMEngine"]
 
 
+def logprob_dict(token: int, logprob: float, top: dict[int, float]) -> dict[int, Logprob]:
+    """One position's ``{token id: Logprob}``: the top tokens with their ranks (1 = most likely),
+    and ``token`` (the chosen or given one) with its logprob, ranked only if it is among them."""
+    entry = {t: Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top.items())}
+    entry.setdefault(token, Logprob(logprob))
+    return entry
+
+
 class LLMEngine:
     """Continuous-batching generation engine over one target model.
 
@@ -96,7 +104,7 @@ class LLMEngine:
         self.max_model_len = min(max_len, num_blocks * args.block_size)
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens,
                                                 self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, args.block_size)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         if self.tp is None:
             self.model = LlamaForCausalLM(cfg, weights, args.quantization).eval()
             self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,
@@ -122,6 +130,8 @@ class LLMEngine:
             proposer = build_proposer(self.spec_config, target, loaded_draft)
             self.model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
             self.worker = SpeculativeWorker(self.target_worker, proposer, self.spec_config)
+        self.block_manager.lookahead = self.worker.kv_lookahead
+        self.block_manager.require_draft_valid = self.worker.prefix_needs_draft
         self.spec_stats = SpecDecodeStats()
         # called with (requests, StepResult) for every step before it is committed (hidden-state capture)
         self.step_observers: list = []
@@ -274,6 +284,8 @@ class LLMEngine:
         sched = self.scheduler.schedule(num_lookahead_tokens=self.worker.num_lookahead_tokens())
         if sched.preempted:
             self.worker.free([r.seq_id for r in sched.preempted])
+        for req in sched.cached:
+            self.worker.adopt_cached_prefix(req.seq_id, req.num_computed_tokens, req.num_draft_cached_tokens)
         if not sched.scheduled:
             self.last_step_stats = None
             return []
@@ -302,13 +314,25 @@ class LLMEngine:
                 drafted, accepted = result.num_draft_tokens[b], result.num_accepted_tokens[b]
                 req.spec_stats.observe(drafted, accepted)
                 self.spec_stats.observe(drafted, accepted)
+            if result.prompt_logprobs is not None and result.prompt_logprobs[b] is not None:
+                first, entries = result.prompt_logprobs[b]
+                for i, (lp, top) in enumerate(entries, start=first):
+                    if i == len(req.prompt_logprobs):   # a recompute after preemption scores them again
+                        req.prompt_logprobs.append(logprob_dict(req.prompt_token_ids[i], lp, top))
             tokens = result.new_token_ids[b]
+            if tokens and req.params.max_tokens == 0:   # the prompt alone was asked for
+                self._finish(req, "length")
+                req.text = ""
+                advanced.append(req)
+                continue
             logprobs = result.logprobs[b] if result.logprobs is not None else None
             for j, token in enumerate(tokens):
                 if self.append_token(req, token, logprobs[j] if logprobs is not None else None):
                     break
-            if result.verified and not req.is_finished:
-                self.block_manager.truncate(req.seq_id, req.num_tokens)   # roll rejected slots back
+            if not req.is_finished:
+                if result.verified:
+                    self.block_manager.truncate(req.seq_id, req.num_tokens)   # roll rejected slots back
+                self._cache_pages(req)
             if tokens:
                 advanced.append(req)
         if result.verified:
@@ -330,9 +354,7 @@ class LLMEngine:
         req.append_output(token)
         if logprob is not None and req.logprobs is not None:
             lp, top = logprob
-            entry = {t: Logprob(v, rank=r + 1) for r, (t, v) in enumerate(top.items())}
-            entry.setdefault(token, Logprob(lp))
-            req.logprobs.append(entry)
+            req.logprobs.append(logprob_dict(token, lp, top))
             req.cumulative_logprob += lp
         params = req.params
         detok = req.detokenizer
@@ -360,7 +382,20 @@ class LLMEngine:
             req.text = detok.final_text()
         return req.is_finished
 
+    def _cache_pages(self, req: Request) -> None:
+        """Register the request's full pages that the target's entries now cover, draft-valid
+        where the proposer's do too (prefix caching)."""
+        bm = self.block_manager
+        if bm.enable_prefix_caching and not req.skip_prefix_cache and bm.has_seq(req.seq_id):
+            bm.cache_full_pages(req.seq_id, req.token_ids, req.num_computed_tokens,
+                                self.worker.num_valid_draft_tokens(req.seq_id, req.num_computed_tokens))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``); returns the pages unregistered."""
+        return self.block_manager.reset_prefix_cache()
+
     def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        self._cache_pages(req)   # what it computed stays reusable after its pages are released
         self.scheduler.finish(req)
         req.finish(reason, stop_reason)
         self.worker.free([req.seq_id])
@@ -391,4 +426,5 @@ class LLMEngine:
                                  max((s.finished_time or 0.0) for s in seqs) if finished else None,
                                  spec_decode=first.spec_stats if len(seqs) == 1 else None)
         return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions,
-                             finished, metrics)
+                             finished, metrics, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=first.prompt_logprobs)

@@ -39,6 +39,12 @@ class Request:
         self.eos_token_ids = set() if params.ignore_eos else set(eos_token_ids)
         self.stop_token_ids = set(params.stop_token_ids or [])
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0   # prompt tokens found in the prefix cache at admission
+        self.num_draft_cached_tokens = 0   # of those at the last admission, with the draft's entries too
+        # prompt_logprobs: entry i for prompt token i (None for the first, which nothing predicts);
+        # such a request computes every prompt position, so it skips the prefix cache
+        self.prompt_logprobs: list[dict | None] | None = [None] if params.prompt_logprobs is not None else None
+        self.skip_prefix_cache = params.prompt_logprobs is not None
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

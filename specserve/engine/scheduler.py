@@ -5,7 +5,8 @@ covers prefill, chunked prefill, decode and recompute after preemption: each ste
 computed tokens catch up with its tokens (prompt + output), within the step's token budget.
 Running requests go first, oldest first; waiting ones are admitted first come, first served.
 When pages run out, the newest running request is preempted: its pages are freed and it is
-recomputed later. :meth:`Scheduler.step_batch` hands the choice to the workers as one
+recomputed later. With prefix caching a request is admitted with the longest chain of cached pages
+that starts its tokens (after preemption too): its computed tokens start there. :meth:`Scheduler.step_batch` hands the choice to the workers as one
 :class:`~specserve.worker.step.StepBatch` (lists only; its flat tensors are made on first use).
 """
 from __future__ import annotations
@@ -31,6 +32,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # requests admitted this step on cached pages: their first ``num_computed_tokens`` tokens
+    cached: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -83,11 +86,24 @@ class Scheduler:
         while (self.waiting and not out.preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # the last token is always computed: its logits sample the next one
+            hit = None if req.skip_prefix_cache else bm.match_prefix(req.token_ids, req.num_tokens - 1)
+            cached = hit.num_tokens if hit is not None else 0
+            num_new = min(req.num_tokens - cached, budget)
+            req.num_computed_tokens = cached
             want = self._slots_wanted(req, num_new, num_lookahead_tokens)
-            if not bm.can_allocate(req.seq_id, want):
+            if not bm.can_allocate(req.seq_id, want, hit):
+                req.num_computed_tokens = 0
                 break
-            bm.allocate(req.seq_id, want)
+            bm.allocate(req.seq_id, want, hit)
+            if bm.enable_prefix_caching and not req.skip_prefix_cache:
+                bm.num_queried_tokens += req.num_tokens
+                bm.num_hit_tokens += cached
+            if cached:
+                req.num_draft_cached_tokens = hit.num_draft_tokens
+                out.cached.append(req)
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = cached
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)

@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
                    help="memory for the paged KV cache (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory-gb)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of a prompt prefix seen before, the target's and the draft's "
+                        "(default: on; --no-enable-prefix-caching turns it off)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="shard the target over this many ranks (worker processes started by the engine, or "
                         "torchrun's ranks; gloo on CPU, NCCL on CUDA); the draft runs whole on rank 0 "

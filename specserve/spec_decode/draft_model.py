@@ -56,6 +56,13 @@ class DraftModelProposer(ChainProposer):
         st = self.states.get(seq_id)
         return st.num_computed if st is not None else 0
 
+    def num_valid_kv_tokens(self, seq_id: int) -> int:
+        # draft entries at or past num_computed are rewritten (drafts, rollback); below it never
+        return self.num_computed_tokens(seq_id)
+
+    def adopt_cached_prefix(self, seq_id: int, num_tokens: int) -> None:
+        self.states[seq_id] = _DraftState(num_computed=num_tokens)
+
     def max_num_draft_tokens(self, batch: StepBatch, b: int) -> int:
         st = self.states.get(batch.seq_ids[b])
         if st is None or st.disabled or st.logits is None:

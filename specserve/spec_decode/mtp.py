@@ -57,6 +57,7 @@ class MTPProposer(ChainProposer):
 
     uses_target_hidden_states = True
     cheap_catch_up = True
+    kv_lookahead = 1   # the entry at p embeds token p+1
 
     def __init__(self, head: DraftHead, num_blocks: int, block_size: int, target_vocab_size: int,
                  device: torch.device | str = "cpu"):
@@ -97,6 +98,15 @@ class MTPProposer(ChainProposer):
         # the head has covered position p once it has seen token p+1
         st = self.states.get(seq_id)
         return st.num_computed + 1 if st is not None else 0
+
+    def num_valid_kv_tokens(self, seq_id: int) -> int:
+        # entries below num_computed come from the target's features and are never rewritten
+        st = self.states.get(seq_id)
+        return st.num_computed if st is not None else 0
+
+    def adopt_cached_prefix(self, seq_id: int, num_tokens: int) -> None:
+        # the target computes from num_tokens on, and its hidden states start there
+        self.states[seq_id] = _HeadState(num_computed=num_tokens, first=num_tokens)
 
     def max_num_draft_tokens(self, batch: StepBatch, b: int) -> int:
         st = self.states.get(batch.seq_ids[b])

@@ -56,6 +56,18 @@ class Proposer(ABC):
     uses_target_hidden_states: bool = False
     cheap_catch_up: bool = False
     aux_hidden_state_layers: tuple[int, ...] = ()
+    # prefix caching: tokens past position p that the proposer's cache entry at p depends on
+    kv_lookahead: int = 0
+
+    def num_valid_kv_tokens(self, seq_id: int) -> int | None:
+        """Leading positions of the sequence whose entries in the proposer's paged cache are final
+        (never rewritten while the sequence lives); None: the proposer keeps no paged cache."""
+        return None
+
+    def adopt_cached_prefix(self, seq_id: int, num_tokens: int) -> None:
+        """A new sequence starts on cached pages whose first ``num_tokens`` positions already hold
+        the proposer's entries (pages are marked draft-valid only where :meth:`num_valid_kv_tokens`
+        covered them): start its state there, as if it had caught up over them."""
 
     def num_lookahead_tokens(self, k: int) -> int:
         """Cache slots a speculative step with k drafts may write past the newest token's: the

@@ -51,6 +51,7 @@ class SpeculativeWorker:
         self.controller = AdaptiveSpeculation(config.num_speculative_tokens) if config.adaptive else None
         self._follow: set[int] = set()     # seq ids whose draft prefill runs at the start of the next step
         self._deferred: set[int] = set()   # seq ids whose draft prefill waits for a decode step's estimate
+        self._cold: set[int] = set()       # seq ids on a cached prefix the draft has not caught up over
 
     @property
     def device(self) -> torch.device:
@@ -66,12 +67,39 @@ class SpeculativeWorker:
         token (a tree: its largest tree)."""
         return self.proposer.num_lookahead_tokens(self.num_speculative_tokens)
 
+    @property
+    def kv_lookahead(self) -> int:
+        """Tokens past its page that a page's entries depend on (1 for a head; prefix caching)."""
+        return self.proposer.kv_lookahead
+
+    @property
+    def prefix_needs_draft(self) -> bool:
+        """A head needs its own entries wherever the target skips (it reads the target's hidden
+        states, which a cached prefix does not recompute): its hits end where its entries do."""
+        return self.proposer.uses_target_hidden_states
+
+    def num_valid_draft_tokens(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Leading positions whose proposer entries are final (a page is reused by the proposer
+        only where they are)."""
+        valid = self.proposer.num_valid_kv_tokens(seq_id)
+        return num_computed_tokens if valid is None else min(valid, num_computed_tokens)
+
+    def adopt_cached_prefix(self, seq_id: int, num_tokens: int, num_draft_tokens: int) -> None:
+        """A new sequence starts on cached pages holding the target's entries of its first
+        ``num_tokens`` positions and the proposer's of the first ``num_draft_tokens``: the proposer
+        starts there. A draft behind the target then catches up as over a prompt it has not
+        started (its follow decision is the same), not as a sequence it fell behind."""
+        self.proposer.adopt_cached_prefix(seq_id, num_draft_tokens)
+        if num_draft_tokens < num_tokens:
+            self._cold.add(seq_id)
+
     def free(self, seq_ids: list[int]) -> None:
         """Sequences that finished, were aborted or preempted: the proposer forgets them."""
         for seq_id in seq_ids:
             self.proposer.reset(seq_id)
             self._follow.discard(seq_id)
             self._deferred.discard(seq_id)
+            self._cold.discard(seq_id)
 
     # ------------------------------------------------------------------ one step
     def execute(self, batch: StepBatch) -> StepResult:
@@ -148,6 +176,7 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         before = sum(self.proposer.num_computed_tokens(s) for s in sub.seq_ids)
         self.proposer.catch_up(sub)
+        self._cold.difference_update(sub.seq_ids)
         if self.controller is not None:
             done = sum(self.proposer.num_computed_tokens(s) for s in sub.seq_ids) - before
             self.controller.observe_draft_prefill(done, time.perf_counter() - t0)
@@ -162,11 +191,12 @@ class SpeculativeWorker:
         seq_id = batch.seq_ids[b]
         if seq_id in self._deferred:
             return None
-        if not self._keeps_up(batch, b):
+        cold = seq_id in self._cold   # like a prompt the draft has not started
+        if not cold and not self._keeps_up(batch, b):
             return False
         if self.controller is None or self.proposer.cheap_catch_up:
             return True
-        if self.proposer.num_computed_tokens(seq_id) == 0:
+        if cold or self.proposer.num_computed_tokens(seq_id) == 0:
             return None
         return self._follow_decision(batch, b, batch.expected_batch_size)
 

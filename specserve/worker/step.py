@@ -95,6 +95,14 @@ class StepBatch:
     def any_logprobs(self) -> bool:
         return any(p.logprobs is not None for p in self.params)
 
+    def prompt_logprob_rows(self, b: int) -> range:
+        """Positions of this step's rows of sequence b whose next token is a prompt token (empty
+        unless it asked for ``prompt_logprobs``)."""
+        if self.params[b].prompt_logprobs is None:
+            return range(0)
+        c = self.context_lens[b]
+        return range(c, min(c + self.query_lens[b], len(self.prompt_token_ids[b]) - 1))
+
     @cached_property
     def any_penalties(self) -> bool:
         return any(p.has_penalties for p in self.params)
@@ -133,6 +141,9 @@ class StepResult:
         num_computed_tokens[b]: tokens whose KV this step made valid (``query_lens[b]``; after a
             verification: the newest token and the accepted drafts).
         logprobs[b]: one :data:`LogprobEntry` per new token, or None when it asked for none.
+        prompt_logprobs[b]: ``(i, entries)``: the :data:`LogprobEntry` of prompt tokens ``i, i+1,
+            ...`` (each given the tokens before it) that this step's rows scored; None when it
+            asked for none or scored no prompt token.
         num_draft_tokens[b] / num_accepted_tokens[b]: drafts verified (a tree: its depth) and
             accepted; None for the whole step when it verified nothing.
     Step-wide:
@@ -155,6 +166,7 @@ class StepResult:
     sync_free: bool = False
     hidden_states: torch.Tensor | None = field(default=None, repr=False)
     hidden_rows: list[list[int] | range] | None = None
+    prompt_logprobs: list[tuple[int, list[LogprobEntry]] | None] | None = None
 
     @property
     def verified(self) -> bool:

@@ -55,9 +55,15 @@ class TargetWorker:
         cu = batch.cu_query_lens
         hidden_rows = [range(cu[b], cu[b + 1]) for b in range(len(batch))]
         sampling = [b for b in range(len(batch)) if batch.samples(b)]
+        scored = [(b, batch.prompt_logprob_rows(b)) for b in range(len(batch))]
+        scored = [(b, r) for b, r in scored if len(r)]
+        rows = [cu[b + 1] - 1 for b in sampling] + [cu[b] + p - batch.context_lens[b] for b, r in scored for p in r]
         hidden, logits = self.runner.forward_with_logits(batch.input_ids, batch.positions, batch.block_tables,
-                                                         batch.context_lens, batch.query_lens,
-                                                         [cu[b + 1] - 1 for b in sampling])   # [T, H], [S, V]
+                                                         batch.context_lens, batch.query_lens, rows)   # [T, H], [R, V]
+        prompt_logprobs = None
+        if scored:
+            prompt_logprobs = self._prompt_logprobs(batch, logits[len(sampling):], scored)
+            logits = logits[:len(sampling)]
         new_tokens: list[list[int]] = [[] for _ in range(len(batch))]
         logprobs = None
         if sampling:
@@ -70,7 +76,42 @@ class TargetWorker:
                     rows[b] = [i]
                 logprobs = logprob_entries(out, rows, batch.params)
         return StepResult(new_tokens, list(batch.query_lens), logprobs, hidden_states=hidden,
-                          hidden_rows=hidden_rows)
+                          hidden_rows=hidden_rows, prompt_logprobs=prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprobs(batch: StepBatch, logits: torch.Tensor,
+                         scored: list[tuple[int, range]]) -> list[tuple[int, list[LogprobEntry]] | None]:
+        """Per sequence, the entries of the prompt tokens that follow positions ``scored``'s rows
+        (``logits [R, V]``, one row per scored position, in order): log_softmax of the raw logits."""
+        out: list[tuple[int, list[LogprobEntry]] | None] = [None] * len(batch)
+        start = 0
+        for b, positions in scored:
+            n = len(positions)
+            nxt = torch.tensor(batch.prompt_token_ids[b][positions.start + 1:positions.stop + 1], dtype=torch.int64)
+            lp = torch.log_softmax(logits[start:start + n].to(torch.float32), dim=-1)
+            chosen = lp.gather(1, nxt.to(lp.device).unsqueeze(1)).squeeze(1).tolist()
+            k = min(batch.params[b].prompt_logprobs, lp.shape[-1])
+            if k > 0:
+                vals, ids = lp.topk(k, dim=-1)
+                tops = [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+            else:
+                tops = [{} for _ in range(n)]
+            out[b] = (positions.start + 1, list(zip(chosen, tops)))
+            start += n
+        return out
+
+    # prefix caching (specserve.kv_cache.block_manager): the target's entry at position p depends
+    # on tokens 0..p only, and a prefix the target has computed is all there is to its state
+    kv_lookahead = 0
+    prefix_needs_draft = False   # no proposer: a cached page is valid for every model there is
+
+    def num_valid_draft_tokens(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Leading positions whose draft / head entries are final too (no proposer: all computed)."""
+        return num_computed_tokens
+
+    def adopt_cached_prefix(self, seq_id: int, num_tokens: int, num_draft_tokens: int) -> None:
+        """A new sequence starts on cached pages holding its first ``num_tokens`` tokens (the
+        proposer's entries: the first ``num_draft_tokens``)."""
 
     def free(self, seq_ids: list[int]) -> None:
         """Sequences that finished or were preempted (the target keeps no state beyond pages)."""

@@ -175,7 +175,7 @@ def _check_queue(state: ServerState, num_new: int) -> None:
 
 
 def _prepare(state: ServerState, text: str | None, ids: list[int], body, max_tokens: int | None,
-             logprobs: int | None) -> _Prompt:
+             logprobs: int | None, prompt_logprobs: int | None = None) -> _Prompt:
     """Check one prompt and its parameters; ``max_tokens=None`` means up to the context length."""
     room = state.max_model_len - len(ids)
     if max_tokens is not None and max_tokens > room:
@@ -184,7 +184,8 @@ def _prepare(state: ServerState, text: str | None, ids: list[int], body, max_tok
                             f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
                        param="max_tokens")
     try:
-        params = body.sampling_params(max_tokens if max_tokens is not None else max(room, 1), logprobs)
+        params = body.sampling_params(max_tokens if max_tokens is not None else max(room, 1), logprobs,
+                                      prompt_logprobs)
         state.engine.engine.validate(ids, params)
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -208,8 +209,9 @@ def _encode(state: ServerState, text: str, param: str, **kw) -> list[int]:
 
 def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Prompt]:
     _refuse_unsupported(body)
-    if body.echo:
-        raise APIError(400, "echo=true is not supported", param="echo")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)",
+                       param="max_tokens")
     if body.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if body.logit_bias:
@@ -236,7 +238,10 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Pr
             text, ids = None, list(item)
         if not ids:
             raise APIError(400, f"prompt {item!r} has no tokens", param="prompt")
-        prompts.append(_prepare(state, text, ids, body, body.max_tokens, body.logprobs))
+        if body.echo and text is None:
+            text = state.tokenizer.decode(ids)
+        prompts.append(_prepare(state, text, ids, body, body.max_tokens, body.logprobs,
+                                body.logprobs if body.echo else None))
     return prompts
 
 
@@ -306,6 +311,30 @@ def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, en
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _echo_logprobs(state: ServerState, out: RequestOutput) -> dict | None:
+    """Completions' logprobs of the prompt's tokens (echo): the first token's logprob and top are
+    null, as OpenAI's; None when the request asked for no logprobs."""
+    if out.prompt_logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
+    for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+        s = _token_text(state, tid)
+        tokens.append(s)
+        token_lps.append(None if entry is None else entry[tid].logprob)
+        tops.append(None if entry is None else
+                    {_token_text(state, t): lp.logprob for t, lp in entry.items() if lp.rank is not None})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _join_logprobs(first: dict | None, second: dict | None) -> dict | None:
+    """Two completions logprobs objects as one (``second``'s text offsets already continue ``first``'s)."""
+    if first is None or second is None:
+        return first if second is None else second
+    return {k: first[k] + second[k] for k in first}
+
+
 def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int, offset: int = 0) -> dict | None:
     if c.logprobs is None:
         return None
@@ -322,8 +351,10 @@ def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int
 def _usage(prompts: list[_Prompt], finals: list[RequestOutput | None]) -> dict:
     prompt_tokens = sum(len(p.token_ids) for p in prompts)
     completion_tokens = sum(len(c.token_ids) for out in finals if out is not None for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in finals if out is not None)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}   # OpenAI's field: prompt tokens served from cache
 
 
 async def _merge(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
@@ -365,8 +396,8 @@ def _sse(obj: dict) -> str:
 class _Generation:
     """One API request: its prompts, their engine requests and the response they make."""
 
-    def __init__(self, state: ServerState, prompts: list[_Prompt], kind: str, n: int):
-        self.state, self.prompts, self.kind, self.n = state, prompts, kind, n
+    def __init__(self, state: ServerState, prompts: list[_Prompt], kind: str, n: int, echo: bool = False):
+        self.state, self.prompts, self.kind, self.n, self.echo = state, prompts, kind, n, echo
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -387,6 +418,12 @@ class _Generation:
         fn = _chat_logprobs if self.kind == "chat" else _completion_logprobs
         return fn(self.state, c, start, end, offset)
 
+    def _echo(self, i: int, out: RequestOutput) -> tuple[str, dict | None]:
+        """Prompt i's text and its tokens' logprobs, when echoed (completions with echo=true)."""
+        if not self.echo:
+            return "", None
+        return self.prompts[i].text or "", _echo_logprobs(self.state, out)
+
     async def full(self) -> dict:
         finals: list[RequestOutput | None] = [None] * len(self.prompts)
         try:
@@ -396,14 +433,17 @@ class _Generation:
             self.abort()
         choices = []
         for i, out in enumerate(finals):
+            echo, echo_lps = self._echo(i, out)
+            offset = sum(len(t) for t in echo_lps["tokens"]) if echo_lps is not None else 0
             for c in sorted(out.outputs, key=lambda c: c.index):
                 choice: dict[str, Any] = {"index": i * self.n + c.index,
-                                          "logprobs": self._logprobs(c, 0, len(c.token_ids)),
+                                          "logprobs": _join_logprobs(echo_lps, self._logprobs(c, 0, len(c.token_ids),
+                                                                                              offset)),
                                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if self.kind == "chat":
                     choice["message"] = {"role": "assistant", "content": c.text}
                 else:
-                    choice["text"] = c.text
+                    choice["text"] = echo + c.text
                 choices.append(choice)
         return {"id": self.id, "object": self.object, "created": self.created,
                 "model": self.state.served_model_name, "choices": choices,
@@ -430,9 +470,16 @@ class _Generation:
                     finished = c.finish_reason is not None
                     if not delta_text and end == st.sent_tokens and not finished:
                         continue
+                    echo_lps = None
+                    if not st.started and self.echo:   # the first chunk of a choice carries its prompt
+                        echo, echo_lps = self._echo(i, out)
+                        delta_text = echo + delta_text
+                        if echo_lps is not None:
+                            st.token_text_offset += sum(len(t) for t in echo_lps["tokens"])
                     logprobs = self._logprobs(c, st.sent_tokens, end, st.token_text_offset)
                     if logprobs is not None and "tokens" in logprobs:
                         st.token_text_offset += sum(len(t) for t in logprobs["tokens"])
+                    logprobs = _join_logprobs(echo_lps, logprobs)
                     choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
                                               "finish_reason": c.finish_reason,
                                               "stop_reason": c.stop_reason if finished else None}
@@ -574,7 +621,7 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         prompts = await state.prepare(_completion_prompts, state, body)   # tokenizing may take long
         _check_queue(state, len(prompts) * body.n)
-        return await _respond(request, _Generation(state, prompts, "completion", body.n), body.stream,
+        return await _respond(request, _Generation(state, prompts, "completion", body.n, echo=body.echo), body.stream,
                               _include_usage(body))
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)

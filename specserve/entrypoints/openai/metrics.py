@@ -38,6 +38,9 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specserve_prompt_tokens", "Prompt tokens of finished requests",
                                      registry=r)
+        self.prefix_cache_hit_tokens = Counter("specserve_prefix_cache_hit_tokens",
+                                               "Prompt tokens of finished requests found in the prefix cache",
+                                               registry=r)
         self.generation_tokens = Counter("specserve_generation_tokens", "Generated tokens of finished requests",
                                          registry=r)
         self.request_success = Counter("specserve_request_success", "Finished requests",
@@ -74,6 +77,7 @@ class ServerMetrics:
 
     def on_finished(self, out: RequestOutput) -> None:
         self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.prefix_cache_hit_tokens.inc(out.num_cached_tokens)
         num_out = sum(len(c.token_ids) for c in out.outputs)
         self.generation_tokens.inc(num_out)
         for c in out.outputs:
