@@ -415,3 +415,16 @@ def test_cached_tokens_are_reported(tiny_qwen2_dir):
     first = llm.generate([{"prompt_token_ids": SYSTEM + [5]}], PARAMS)[0]
     second = llm.generate([{"prompt_token_ids": SYSTEM + [6, 7]}], PARAMS)[0]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 36
+
+
+def test_prefix_caching_under_tensor_parallelism(tiny_qwen2_dir, self_draft):
+    """At TP = 2 every rank's KV shard addresses the same shared pages (rank 0's block tables):
+    the waves' outputs with caching and the draft on rank 0 equal TP = 2 without either (TP = 2
+    rounds differently from TP = 1, so the reference is at TP = 2 too)."""
+    with LLM(tiny_qwen2_dir, block_size=BS, tensor_parallel_size=2, enable_prefix_caching=False) as ref:
+        want, _ = run_waves(ref, workload(), watch=False)
+    with LLM(tiny_qwen2_dir, block_size=BS, tensor_parallel_size=2,
+             speculative_config=spec_config("draft_model", self_draft, None)) as llm:
+        done, _ = run_waves(llm, workload(), watch=False)
+        assert done == want and len(done) == sum(map(len, workload()))
+        assert llm.llm_engine.block_manager.num_hit_tokens >= 8 * 32

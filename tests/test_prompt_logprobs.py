@@ -92,3 +92,14 @@ def test_max_tokens_zero_scores_the_prompt_only(tiny_qwen2_dir, oracle):
                        for i in range(1, len(p)))
             assert all(len(out.prompt_logprobs[i]) == 1 for i in range(1, len(p)))   # 0: the token's own only
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
+def test_too_many_prompt_logprobs_is_refused_and_nothing_is_harmed(tiny_qwen2_dir):
+    llm = LLM(tiny_qwen2_dir)
+    vocab = llm.llm_engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"prompt_logprobs must be <= the vocabulary size {vocab}"):
+        llm.generate(["abc"], SamplingParams(max_tokens=2, prompt_logprobs=vocab + 1))
+    out = llm.generate(["abc"], SamplingParams(max_tokens=2, prompt_logprobs=vocab))[0]
+    assert all(len(e) == vocab for e in out.prompt_logprobs[1:])   # every token ranked
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.llm_engine.has_unfinished_requests()
