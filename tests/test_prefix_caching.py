@@ -428,3 +428,13 @@ def test_prefix_caching_under_tensor_parallelism(tiny_qwen2_dir, self_draft):
         done, _ = run_waves(llm, workload(), watch=False)
         assert done == want and len(done) == sum(map(len, workload()))
         assert llm.llm_engine.block_manager.num_hit_tokens >= 8 * 32
+
+
+def test_rollback_never_reaches_into_cached_pages():
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    bm.allocate(0, 12)
+    bm.cache_full_pages(0, list(range(12)), 8)
+    bm.truncate(0, 8)                                   # down to the cached pages: fine
+    with pytest.raises(ValueError, match="inside its 8 cached tokens"):
+        bm.truncate(0, 7)
+    bm.check_invariants()

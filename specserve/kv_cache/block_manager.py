@@ -260,11 +260,14 @@ class BlockManager:
         """Roll ``seq_id`` back to ``num_tokens`` reserved slots.
 
         Pages wholly beyond ``num_tokens`` are released (ref count -1; back to
-        the pool at 0). Used to discard rejected speculative tokens.
+        the pool at 0). Used to discard rejected speculative tokens, which always lie past the
+        sequence's cached pages (a cached page is final: rolling into it would let the sequence
+        write into a page others may share).
 
         Raises:
             KeyError: unknown ``seq_id``.
-            ValueError: ``num_tokens`` < 0 or greater than the slots reserved.
+            ValueError: ``num_tokens`` < 0, greater than the slots reserved, or inside the
+                sequence's cached pages.
         """
         self._require(seq_id)
         cur = self._num_tokens[seq_id]
@@ -272,12 +275,14 @@ class BlockManager:
             raise ValueError(
                 f"seq {seq_id}: cannot truncate to {num_tokens} tokens (has {cur})"
             )
+        cached = len(self._chain[seq_id]) * self.block_size
+        if num_tokens < cached:
+            raise ValueError(f"seq {seq_id}: cannot truncate to {num_tokens} tokens, inside its "
+                             f"{cached} cached tokens")
         table = self._tables[seq_id]
         keep = _cdiv(num_tokens, self.block_size)
         while len(table) > keep:
             self._release(table.pop())
-        del self._chain[seq_id][num_tokens // self.block_size:]
-        self._draft_marked[seq_id] = min(self._draft_marked[seq_id], len(self._chain[seq_id]))
         self._num_tokens[seq_id] = num_tokens
 
     def cache_full_pages(self, seq_id: int, token_ids: list[int], num_valid_tokens: int,
