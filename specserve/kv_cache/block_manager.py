@@ -57,10 +57,9 @@ class NoFreeBlocksError(RuntimeError):
 @dataclass
 class PrefixHit:
     """The registered pages a new sequence can adopt: ``pages`` (in position order) cover its first
-    ``num_tokens`` tokens; ``key_ids`` are their chain ids. Empty when nothing matched."""
+    ``num_tokens`` tokens. Empty when nothing matched."""
 
     pages: list[int] = field(default_factory=list)
-    key_ids: list[int] = field(default_factory=list)
     block_size: int = 0
     num_draft_pages: int = 0   # leading pages whose draft / head entries are valid too
 
@@ -202,7 +201,6 @@ class BlockManager:
                 break
             parent = self._page_key_id[page]
             hit.pages.append(page)
-            hit.key_ids.append(parent)
             if hit.num_draft_pages == i and self._draft_valid[page]:
                 hit.num_draft_pages += 1
             i += 1
@@ -243,7 +241,7 @@ class BlockManager:
                 self._ref_counts[page] += 1
             self._tables[seq_id] = list(pages)
             self._num_tokens[seq_id] = 0
-            self._chain[seq_id] = list(prefix.key_ids) if prefix is not None else []
+            self._chain[seq_id] = [self._page_key_id[p] for p in pages]
             self._draft_marked[seq_id] = prefix.num_draft_pages if prefix is not None else 0
         elif prefix is not None and prefix.pages:
             raise ValueError(f"seq {seq_id} already has a block table: a cached prefix is adopted only at its start")
