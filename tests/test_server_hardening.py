@@ -182,6 +182,11 @@ def test_echo_with_logprobs_scores_the_prompt(server, tiny_qwen2_dir):
     assert ch.logprobs.token_logprobs[1:] == pytest.approx(want[:len(ids) - 1], abs=1e-5)
     resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0})
     assert resp.status_code == 400 and error(resp)["param"] == "max_tokens"
+    # token ids outside the vocabulary are a 400 naming the id before echo decodes them
+    # (the tokenizer's decode raises OverflowError on negative or huge ids)
+    for bad in (-5, 2**40, server.engine.model_config.vocab_size):
+        resp = post(server, "/v1/completions", {"prompt": [[1, bad]], "max_tokens": 1, "echo": True})
+        assert resp.status_code == 400 and str(bad) in error(resp)["message"], resp.text
 
 
 def _sse_objects(resp) -> list[dict]:

@@ -238,10 +238,11 @@ def _completion_prompts(state: ServerState, body: CompletionRequest) -> list[_Pr
             text, ids = None, list(item)
         if not ids:
             raise APIError(400, f"prompt {item!r} has no tokens", param="prompt")
-        if body.echo and text is None:
-            text = state.tokenizer.decode(ids)
-        prompts.append(_prepare(state, text, ids, body, body.max_tokens, body.logprobs,
-                                body.logprobs if body.echo else None))
+        prompt = _prepare(state, text, ids, body, body.max_tokens, body.logprobs,
+                          body.logprobs if body.echo else None)
+        if body.echo and text is None:   # decoded only once the ids are known to be in the vocabulary
+            prompt.text = state.tokenizer.decode(ids)
+        prompts.append(prompt)
     return prompts
 
 
