@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specserve.structured_output import StructuredOutputsParams
+
 # vLLM treats any temperature below this as greedy decoding.
 _GREEDY_EPS = 1e-5
 
@@ -38,6 +40,9 @@ class SamplingParams:
             (it is never served from the prefix cache).
         skip_special_tokens: drop special tokens when detokenizing.
         include_stop_str_in_output: keep the matched stop string in the output text.
+        structured_outputs: a grammar the output must follow (JSON schema, regex, choice list,
+            grammar; :mod:`specserve.structured_output`), or None. Lossless with speculation: the
+            output follows the target's distribution masked by the grammar.
     """
 
     n: int = 1
@@ -57,6 +62,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalize the optional lists first so the checks below see lists.
@@ -107,6 +113,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop entries must be non-empty strings, got {s!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids entries must be non-negative integers, got {t!r}")

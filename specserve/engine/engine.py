@@ -28,6 +28,7 @@ from specserve.models.quantization import to_device
 from specserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specserve.sample.sampler import make_generator
 from specserve.sampling_params import SamplingParams
+from specserve.structured_output import GrammarCompiler
 from specserve.worker.model_runner import ModelRunner
 from specserve.worker.step import LogprobEntry, StepResult
 from specserve.worker.target_worker import TargetWorker
@@ -81,6 +82,7 @@ class LLMEngine:
         self.load_stats = loaded.load_stats
         self.model_config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
+        self.grammar_compiler = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         shards = None
         kv_heads = cfg.num_key_value_heads
         if self.tp is not None:   # checked before anything starts
@@ -200,7 +202,8 @@ class LLMEngine:
 
         Raises:
             ValueError: empty prompt, token id outside the vocabulary, prompt too long for
-                max_model_len, or params that are not ``SamplingParams``; the message names the value.
+                max_model_len, params that are not ``SamplingParams``, or an invalid schema, regex
+                or grammar in ``structured_outputs``; the message names the value.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -220,6 +223,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
                              f"it must be shorter to leave room for output")
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)   # cached: add_request reuses it
         return ids
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -241,6 +246,8 @@ class LLMEngine:
             seq = Request(request_id, next(self._seq_ids), ids, params, make_generator(seed),
                           self.model_config.eos_token_ids, index=i, prompt=text, arrival_time=now)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+            if params.structured_outputs is not None:
+                seq.grammar = self.grammar_compiler.new_state(params.structured_outputs)
             seqs.append(seq)
         self.requests[request_id] = seqs
         for s in seqs:
@@ -360,6 +367,12 @@ class LLMEngine:
             req.cumulative_logprob += lp
         params = req.params
         detok = req.detokenizer
+        if req.grammar is not None and token not in req.eos_token_ids and not req.grammar.accept(token):
+            # every sampled row was masked by this state, so this is a bug, not bad input
+            logger.error("request %s: grammar refused committed token %d; aborting it", req.request_id, token)
+            req.text = detok.final_text()
+            self._finish(req, "abort")
+            return True
         if token in req.stop_token_ids or token in req.eos_token_ids:
             if params.include_stop_str_in_output and token in req.stop_token_ids:
                 detok.add(token)

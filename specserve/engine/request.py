@@ -56,6 +56,8 @@ class Request:
         self.finished_time: float | None = None
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
+        # structured output: the grammar's state at the committed output (the engine sets it)
+        self.grammar = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -128,7 +128,8 @@ class Scheduler:
             block_tables=[bm.block_table(r.seq_id) for r in reqs], params=[r.params for r in reqs],
             generators=[r.generator for r in reqs], max_new_tokens=max_new, max_draft_tokens=max_draft,
             block_size=bm.block_size,
-            expected_batch_size=min(len(self.running) + len(self.waiting), self.config.max_num_seqs))
+            expected_batch_size=min(len(self.running) + len(self.waiting), self.config.max_num_seqs),
+            grammars=[r.grammar for r in reqs] if any(r.grammar is not None for r in reqs) else None)
 
     def _slots_wanted(self, req: Request, num_new: int, num_lookahead_tokens: int) -> int:
         """Slots ``req`` needs this step: its new tokens, plus the lookahead once it samples; never

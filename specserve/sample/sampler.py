@@ -1,6 +1,7 @@
 """Batched token sampler.
 
-Pipeline (``compute_probs``): penalties -> temperature -> top-k -> top-p -> min-p -> softmax.
+Pipeline (``compute_probs``): penalties -> grammar mask -> temperature -> top-k -> top-p -> min-p ->
+softmax.
 ``compute_probs`` is THE definition of "the distribution we sample from": speculative decoding
 calls it for both the target and the draft model, and ``sample`` draws from its output.
 
@@ -50,6 +51,8 @@ class SamplingMetadata:
     metadata right before sampling, as every caller does). generators: per-row generator or
     None (shared default RNG). max_num_logprobs: K top logprobs to return (0 = none).
     return_logprobs: return the sampled token's logprob (implied by max_num_logprobs > 0).
+    allowed_token_mask: [B, V] bool, the tokens each row's grammar allows (structured output;
+    rows without one all True), or None when no row has a grammar.
     """
 
     temperature: Tensor
@@ -72,6 +75,7 @@ class SamplingMetadata:
     any_top_p: bool | None = None
     any_min_p: bool | None = None
     any_penalties: bool | None = None
+    allowed_token_mask: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.is_greedy is None:
@@ -89,8 +93,10 @@ class SamplingMetadata:
     @classmethod
     def build(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], generators: list[torch.Generator | None],
-              device: str | torch.device = "cpu") -> "SamplingMetadata":
-        """One row per entry of ``params`` (repeat a request's params for each of its rows)."""
+              device: str | torch.device = "cpu",
+              allowed_token_masks: list[Tensor | None] | None = None) -> "SamplingMetadata":
+        """One row per entry of ``params`` (repeat a request's params for each of its rows);
+        ``allowed_token_masks``: per row a ``[V]`` bool grammar mask or None (no constraint)."""
         b = len(params)
         if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == b):
             raise ValueError("params, prompt_token_ids, output_token_ids and generators must have "
@@ -120,12 +126,29 @@ class SamplingMetadata:
             any_top_p=any(p.top_p < 1.0 for p in params),
             any_min_p=any(p.min_p > 0 for p in params),
             any_penalties=any(p.has_penalties for p in params),
+            allowed_token_mask=_stack_masks(allowed_token_masks, device),
         )
 
     @property
     def greedy_mask(self) -> Tensor:
         """[B] bool: rows decoded by argmax."""
         return self.temperature < _GREEDY_EPS
+
+
+def _stack_masks(masks: list[Tensor | None] | None, device) -> Tensor | None:
+    """``[B, V]`` bool from per-row masks (None rows allow everything); None when no row has one."""
+    if not masks or all(m is None for m in masks):
+        return None
+    v = next(m for m in masks if m is not None).numel()
+    every = torch.ones(v, dtype=torch.bool)
+    return torch.stack([every if m is None else m for m in masks]).to(device, non_blocking=True)
+
+
+def apply_allowed_tokens(logits: Tensor, md: SamplingMetadata) -> Tensor:
+    """Set the logits of tokens a row's grammar refuses to -inf. [B, V] -> [B, V] (structured output)."""
+    if md.allowed_token_mask is None:
+        return logits
+    return logits.masked_fill(~md.allowed_token_mask, float("-inf"))
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> Tensor:
@@ -226,10 +249,10 @@ def argmax_lowest(x: Tensor) -> Tensor:
 def compute_probs(logits: Tensor, md: SamplingMetadata) -> Tensor:
     """The processed distribution we sample from. logits [B, V] (any float) -> probs [B, V] float32.
 
-    penalties -> temperature -> top-k/top-p -> min-p -> softmax. Greedy rows get the one-hot of the
-    argmax (lowest id on ties) of the penalized logits.
+    penalties -> grammar mask -> temperature -> top-k/top-p -> min-p -> softmax. Greedy rows get the
+    one-hot of the argmax (lowest id on ties) of the penalized, masked logits.
     """
-    logits = apply_penalties(logits.to(torch.float32), md)
+    logits = apply_allowed_tokens(apply_penalties(logits.to(torch.float32), md), md)
     greedy = md.greedy_mask
     greedy_ids = argmax_lowest(logits) if any(md.is_greedy) else None
     if all(md.is_greedy):   # every row one-hot: no distribution to build
@@ -295,7 +318,7 @@ class Sampler:
 
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         if all(md.is_greedy):   # compute_probs' one-hot is at this argmax: skip the distribution
-            token_ids = argmax_lowest(apply_penalties(logits.to(torch.float32), md))
+            token_ids = argmax_lowest(apply_allowed_tokens(apply_penalties(logits.to(torch.float32), md), md))
         else:
             token_ids = sample(compute_probs(logits, md), md)
         return gather_logprobs(logits, token_ids, md)

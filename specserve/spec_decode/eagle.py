@@ -57,6 +57,14 @@ class EagleProposer(MTPProposer):
         root_lp = torch.stack([torch.log_softmax(st.logits.float(), -1) if st.logits is not None
                                else torch.full((vocab,), float("-inf")) for st in states])
         limits = [d if st.logits is not None else 0 for d, st in zip(depth_limits, states)]
+        # structured output: a node's children are drawn from the draft masked by the grammar's
+        # state after the node's path (refused nodes get -inf and the worker cuts them)
+        grammars = batch.grammars if batch.any_grammar else None
+        path_of: dict[tuple[int, int], tuple[int, ...]] = {(b, 0): () for b in range(len(batch))}
+        if grammars is not None:
+            for b, g in enumerate(grammars):
+                if g is not None:
+                    root_lp[b].masked_fill_(~g.allowed_token_mask(()), float("-inf"))
         features = {(b, 0): st.last_hidden for b, st in enumerate(states)}
         depth_of = {(b, 0): 0 for b in range(len(batch))}
         parent_of: dict[tuple[int, int], int] = {}
@@ -98,7 +106,13 @@ class EagleProposer(MTPProposer):
             logprobs = torch.log_softmax(self._target_logits(out).float(), dim=-1)
             back = torch.empty(len(items), dtype=torch.int64)
             back[torch.tensor(order)] = torch.arange(len(items))
-            return logprobs[back]
+            logprobs = logprobs[back]
+            if grammars is not None:
+                for j, it in enumerate(items):
+                    path = path_of[(it.seq, it.node)] = path_of[(it.seq, it.parent)] + (it.token,)
+                    if grammars[it.seq] is not None:
+                        logprobs[j].masked_fill_(~grammars[it.seq].allowed_token_mask(path), float("-inf"))
+            return logprobs
 
         if self.tree is not None:
             return TreeProposal(build_static_trees(roots, root_lp, self.tree, expand, limits))

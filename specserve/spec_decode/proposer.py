@@ -167,10 +167,13 @@ class ChainProposer(Proposer):
 def draw_draft_tokens(logits: torch.Tensor, batch: StepBatch, histories: list[list[int]], active: list[int],
                       j: int, draft_ids: torch.Tensor, draft_probs: torch.Tensor) -> None:
     """Draw draft token j of the ``active`` rows from their draft logits ``[A, V]`` with each
-    sequence's own sampling parameters (drafts so far count as output for penalties): fills
+    sequence's own sampling parameters (drafts so far count as output for penalties, and a
+    grammar masks them from its state after the drafts so far): fills
     ``draft_ids[active, j]`` and ``draft_probs[active, j]`` (the distribution drawn from) and
     appends the tokens to ``histories``."""
-    md = batch.sampling_metadata(active, [histories[i] for i in active])
+    md = batch.sampling_metadata(active, [histories[i] for i in active],
+                                 drafts=[histories[i][len(batch.output_token_ids[i]):] for i in active]
+                                 if batch.any_grammar else None)   # the grammar's state after the drafts
     q = compute_probs(logits, md)                     # [A, V]
     tokens = draw(q, md.is_greedy, md.generators)   # [A]
     rows = torch.tensor(active, dtype=torch.int64)

@@ -31,11 +31,14 @@ whether x is a child or not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specserve.kv_cache.kv_cache import move_kv_slots
+
+if TYPE_CHECKING:
+    from specserve.structured_output import GrammarState
 
 # EAGLE-1's default tree (its repository's ``mc_sim_7b_63`` choice): 25 draft tokens, depth 5.
 EAGLE1_TREE: tuple[tuple[int, ...], ...] = (
@@ -152,9 +155,37 @@ class DraftTree:
     def attention_mask(self) -> torch.Tensor:
         return tree_attention_mask(self.parents)
 
+    def subtree(self, keep: list[bool]) -> "DraftTree":
+        """The tree of the nodes with ``keep[i]`` (the root and every kept node's parent must be
+        kept), in the same order, parents renumbered."""
+        if not keep[0] or any(keep[i] and not keep[p] for i, p in enumerate(self.parents) if i):
+            raise ValueError("a subtree keeps the root and the parent of every node it keeps")
+        index = {}
+        token_ids, parents, scores = [], [], []
+        for i, k in enumerate(keep):
+            if k:
+                index[i] = len(token_ids)
+                token_ids.append(self.token_ids[i])
+                parents.append(-1 if i == 0 else index[self.parents[i]])
+                scores.append(self.scores[i])
+        return DraftTree(token_ids, parents, scores)
+
     def positions(self, start: int) -> list[int]:
         """Position of each node when the root sits at ``start``: ``start + depth``."""
         return [start + d for d in self.depths]
+
+
+def grammar_subtree(tree: DraftTree, grammar: "GrammarState") -> DraftTree:
+    """``tree`` without the nodes whose token the grammar refuses after the path above them, and
+    their subtrees (structured output: such a node could never be accepted, and its row has no
+    grammar state to mask with). Nothing follows an EOS node."""
+    keep = [True] + [False] * (tree.num_nodes - 1)
+    for i in range(1, tree.num_nodes):
+        p = tree.parents[i]
+        if keep[p] and not (p and grammar.is_eos(tree.token_ids[p])):
+            mask = grammar.allowed_token_mask([tree.token_ids[n] for n in tree.path(p)])
+            keep[i] = bool(mask[tree.token_ids[i]])
+    return tree if all(keep) else tree.subtree(keep)
 
 
 def tree_attention_mask(parents: list[int]) -> torch.Tensor:

@@ -32,7 +32,7 @@ from specserve.sample.rejection import rejection_sample_tensors
 from specserve.sample.sampler import compute_probs, gather_logprobs
 from specserve.spec_decode.adaptive import AdaptiveSpeculation
 from specserve.spec_decode.proposer import DraftProposal, Proposer, TreeProposal
-from specserve.spec_decode.tree import DraftTree, accept_tree, accepted_kv_moves
+from specserve.spec_decode.tree import DraftTree, accept_tree, accepted_kv_moves, grammar_subtree
 from specserve.worker.step import StepBatch, StepResult
 from specserve.worker.target_worker import TargetWorker, logprob_entries
 
@@ -235,7 +235,7 @@ class SpeculativeWorker:
         ks = [self._num_draft_tokens(batch, b, k) if e else 0 for b, e in enumerate(eligible)]
         steady = caught_up <= prop.steady_catch_up(k) and all(eligible) and any(ks)
         proposal = None
-        if all(eligible) and any(ks) and not (batch.any_logprobs or batch.any_penalties):
+        if all(eligible) and any(ks) and not (batch.any_logprobs or batch.any_penalties or batch.any_grammar):
             proposal = prop.propose_on_device(batch, ks, batch.sampling_metadata(device=self.device))
         sync_free = proposal is not None
         if proposal is None:
@@ -257,15 +257,17 @@ class SpeculativeWorker:
         return result, steady
 
     def _verify(self, batch: StepBatch, input_ids: torch.Tensor, query_lens: list[int], positions: list[int],
-                histories: list[list[int]] | None, tree_masks: list[torch.Tensor] | None = None):
+                histories: list[list[int]] | None, tree_masks: list[torch.Tensor] | None = None,
+                drafts: list[list[int]] | None = None):
         """One target forward over every verified row (``query_lens[b]`` rows of sequence b, from
         its newest token's slot); returns hidden states ``[T, H]``, logits ``[T, V]``, the rows'
-        sampling metadata and the target's distributions ``[T, V]`` (penalties see ``histories``)."""
+        sampling metadata and the target's distributions ``[T, V]`` (penalties see ``histories``;
+        a grammar masks row r with its state after ``drafts[r]``, the drafts before it)."""
         runner = self.target.runner
         hidden, logits = runner.forward_with_logits(input_ids, positions, batch.block_tables, batch.context_lens,
                                                     query_lens, list(range(len(positions))), tree_masks)
         row_seq = [b for b, q in enumerate(query_lens) for _ in range(q)]
-        md = batch.sampling_metadata(row_seq, histories, self.device)
+        md = batch.sampling_metadata(row_seq, histories, self.device, drafts)
         return hidden, logits, md, compute_probs(logits, md)
 
     def _logprobs(self, batch: StepBatch, logits: torch.Tensor, md, rows: list[list[int]],
@@ -282,8 +284,14 @@ class SpeculativeWorker:
         """Verify chains of ``proposal.num_draft_tokens[b]`` drafts and accept by rejection sampling
         (:func:`~specserve.sample.rejection.rejection_sample_tensors`). Sync-free: the proposer
         refills from the verified rows before the step's one host read."""
-        drafts, ks = proposal.draft_token_ids, proposal.num_draft_tokens     # [B, K]
+        drafts, ks = proposal.draft_token_ids, list(proposal.num_draft_tokens)     # [B, K]
         num_seqs, kmax = drafts.shape
+        host = drafts.tolist() if batch.any_penalties or batch.any_grammar else None
+        if batch.any_grammar:   # drafts the grammar refuses are cut (deterministic ones: n-gram)
+            for b in range(num_seqs):
+                g = batch.grammar(b)
+                if g is not None and ks[b]:
+                    ks[b] = g.num_valid(host[b][:ks[b]])
         device = self.device
         query_lens = [k + 1 for k in ks]
         starts = [0]
@@ -297,9 +305,9 @@ class SpeculativeWorker:
         positions = [p for c, q in zip(batch.context_lens, query_lens) for p in range(c, c + q)]
         histories = None   # only penalties read them: row j sees the drafts before it as output
         if batch.any_penalties:
-            host = drafts.tolist()
             histories = [batch.output_token_ids[b] + host[b][:j] for b, q in enumerate(query_lens) for j in range(q)]
-        hidden, logits, md, probs = self._verify(batch, input_ids, query_lens, positions, histories)
+        before = [host[b][:j] for b, q in enumerate(query_lens) for j in range(q)] if batch.any_grammar else None
+        hidden, logits, md, probs = self._verify(batch, input_ids, query_lens, positions, histories, drafts=before)
         gather = torch.tensor([[s + min(j, n) for j in range(kmax + 1)] for s, n in zip(starts, ks)])
         target_probs = probs[gather.to(device)]                                 # [B, K + 1, V]
         num_acc, out = rejection_sample_tensors(drafts.to(device), ks, proposal.draft_probs, target_probs,
@@ -319,6 +327,9 @@ class SpeculativeWorker:
         root + depth), accept the longest path the target agrees with
         (:func:`~specserve.spec_decode.tree.accept_tree`) and move its KV entries to the
         sequence's next slots, so the cache reads as if the path had been verified as a chain."""
+        if batch.any_grammar:   # nodes the grammar refuses (and their subtrees) are cut
+            trees = [tree if batch.grammar(b) is None else grammar_subtree(tree, batch.grammar(b))
+                     for b, tree in enumerate(trees)]
         input_ids = torch.tensor([t for tree in trees for t in tree.token_ids], dtype=torch.int64)
         positions = [p for tree, c in zip(trees, batch.context_lens) for p in tree.positions(c)]
         query_lens = [tree.num_nodes for tree in trees]
@@ -326,8 +337,11 @@ class SpeculativeWorker:
         if batch.any_penalties:
             histories = [batch.output_token_ids[b] + [tree.token_ids[n] for n in tree.path(node)]
                          for b, tree in enumerate(trees) for node in range(tree.num_nodes)]
+        before = None   # a node's row is masked by the grammar's state after its path
+        if batch.any_grammar:
+            before = [[tree.token_ids[n] for n in tree.path(node)] for tree in trees for node in range(tree.num_nodes)]
         hidden, logits, md, probs = self._verify(batch, input_ids, query_lens, positions, histories,
-                                                 [tree.attention_mask() for tree in trees])
+                                                 [tree.attention_mask() for tree in trees], before)
         runner = self.target.runner
         emitted, accepted, drafted, rows = [], [], [], []
         start = 0

@@ -14,6 +14,7 @@ import torch
 from specserve.attention.metadata import slot_ids
 from specserve.sample.sampler import SamplingMetadata
 from specserve.sampling_params import SamplingParams
+from specserve.structured_output import GrammarState
 
 # (logprob of the emitted token, {token id: logprob} of the top ones), per emitted token
 LogprobEntry = tuple[float, dict[int, float]]
@@ -39,6 +40,9 @@ class StepBatch:
         block_size: tokens per page.
         expected_batch_size: sequences expected to decode together (running + waiting, at most
             ``max_num_seqs``): the batch size a new prompt will decode in.
+        grammars: per sequence its :class:`~specserve.structured_output.GrammarState` at the
+            committed output (structured output) or None; None for the whole batch when no
+            sequence has one. A worker reads masks after uncommitted drafts and never commits.
 
     Derived (once, on first use): ``input_ids [T]`` and ``positions [T]`` int64 over the T =
     sum(query_lens) new tokens, ``cu_query_lens [B + 1]`` (row offsets, a host list).
@@ -57,6 +61,7 @@ class StepBatch:
     max_draft_tokens: list[int]
     block_size: int
     expected_batch_size: int = 1
+    grammars: list[GrammarState | None] | None = None
 
     def __len__(self) -> int:
         return len(self.seq_ids)
@@ -107,6 +112,14 @@ class StepBatch:
     def any_penalties(self) -> bool:
         return any(p.has_penalties for p in self.params)
 
+    @cached_property
+    def any_grammar(self) -> bool:
+        """Some sequence's output is constrained by a grammar (structured output)."""
+        return self.grammars is not None and any(g is not None for g in self.grammars)
+
+    def grammar(self, b: int) -> GrammarState | None:
+        return self.grammars[b] if self.grammars is not None else None
+
     def select(self, rows: list[int]) -> "StepBatch":
         """The sub-batch of sequences ``rows`` (same lists, same order)."""
         def pick(xs):
@@ -115,21 +128,30 @@ class StepBatch:
                          pick(self.token_ids), pick(self.context_lens), pick(self.query_lens),
                          pick(self.block_tables), pick(self.params), pick(self.generators),
                          pick(self.max_new_tokens), pick(self.max_draft_tokens), self.block_size,
-                         self.expected_batch_size)
+                         self.expected_batch_size, pick(self.grammars) if self.grammars is not None else None)
 
     def slot_mapping(self, b: int, start: int, end: int) -> torch.Tensor:
         """``[end - start]`` int64 cache slots of sequence b's indices ``start .. end - 1``."""
         return slot_ids(self.block_tables[b], start, end, self.block_size)
 
     def sampling_metadata(self, rows: list[int] | None = None, output_histories: list[list[int]] | None = None,
-                          device: torch.device | str = "cpu") -> SamplingMetadata:
+                          device: torch.device | str = "cpu",
+                          drafts: list[list[int]] | None = None) -> SamplingMetadata:
         """:class:`SamplingMetadata` with one logits row per entry of ``rows`` (sequence indices; a
         sequence repeats once per verified position; default: every sequence once).
-        ``output_histories`` replaces each row's output tokens (drafts count as output for penalties)."""
+        ``output_histories`` replaces each row's output tokens (drafts count as output for penalties).
+        ``drafts``: per row, the uncommitted tokens before it (default none): a grammar's mask for
+        the row is its state after them."""
         rows = list(range(len(self))) if rows is None else rows
         histories = output_histories if output_histories is not None else [self.output_token_ids[b] for b in rows]
+        masks = None
+        if self.any_grammar:
+            masks = [None if self.grammars[b] is None else
+                     self.grammars[b].allowed_token_mask(drafts[r] if drafts is not None else ())
+                     for r, b in enumerate(rows)]
         return SamplingMetadata.build([self.params[b] for b in rows], [self.prompt_token_ids[b] for b in rows],
-                                      histories, [self.generators[b] for b in rows], device=device)
+                                      histories, [self.generators[b] for b in rows], device=device,
+                                      allowed_token_masks=masks)
 
 
 @dataclass(eq=False)

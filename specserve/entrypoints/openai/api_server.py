@@ -184,8 +184,19 @@ def _prepare(state: ServerState, text: str | None, ids: list[int], body, max_tok
                             f"{max_tokens} for the completion). Reduce the prompt or max_tokens.",
                        param="max_tokens")
     try:
+        constraint = body.structured_outputs()
+    except ValueError as e:
+        raise APIError(400, e.args[1], param=e.args[0]) from None
+    structured = None
+    if constraint is not None:   # compiled here so that a bad schema or regex names its field
+        param, structured = constraint
+        try:
+            state.engine.engine.grammar_compiler.compile(structured)
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+    try:
         params = body.sampling_params(max_tokens if max_tokens is not None else max(room, 1), logprobs,
-                                      prompt_logprobs)
+                                      prompt_logprobs, structured)
         state.engine.engine.validate(ids, params)
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specserve.sampling_params import SamplingParams
+from specserve.structured_output import StructuredOutputsParams
 
 MAX_N = 128            # OpenAI's limit on completions per request
 MAX_LOGPROBS = 20      # top logprobs per token (OpenAI: 5 for completions, 20 for chat)
@@ -48,25 +49,58 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # accepted so that they can be refused by name (400) rather than silently ignored
+    # structured output: OpenAI's response_format, vLLM's guided_* extras
     response_format: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # accepted so that they can be refused by name (400) rather than silently ignored
+    tools: list | None = None
+    tool_choice: str | dict | None = None
     metadata: dict | None = None
+
+    def structured_outputs(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The output constraint and the field that gave it: OpenAI's ``response_format``
+        (``json_object``, ``json_schema``) or vLLM's ``guided_json`` / ``guided_regex`` /
+        ``guided_choice`` / ``guided_grammar``; None for free text.
+
+        Raises:
+            ValueError: ``(param, message)`` as its args: an unknown format type, a json_schema
+                without a schema, or several constraints at once.
+        """
+        given = []
+        fmt = self.response_format
+        if fmt is not None and fmt.get("type") != "text":
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format", "response_format json_schema needs "
+                                     "'json_schema': {'name': ..., 'schema': {...}} with the schema an object")
+                given.append(("response_format", {"json": schema}))
+            else:
+                raise ValueError("response_format", f"response_format type {kind!r} is not supported: "
+                                 f"use 'text', 'json_object' or 'json_schema'")
+        for name, field in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                given.append((name, {field: getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ValueError(given[1][0], f"give one output constraint, got {', '.join(g[0] for g in given)}")
+        param, kw = given[0]
+        try:
+            return param, StructuredOutputsParams(**kw)
+        except ValueError as e:
+            raise ValueError(param, f"{param}: {e}") from None
 
     def refuse_unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for a field whose meaning this server would not honour, else None."""
-        fmt = self.response_format
-        if fmt is not None and fmt.get("type") != "text":
-            return ("response_format", f"response_format type {fmt.get('type')!r} is not supported yet "
-                                       f"(structured output); only 'text'")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-            if getattr(self, name) is not None:
-                return (name, f"{name} is not supported yet (structured output)")
         if self.tool_choice not in (None, "none", "auto"):
             return ("tool_choice", f"tool_choice {self.tool_choice!r} demands a tool call, which this server "
                                    f"does not produce")
@@ -76,7 +110,8 @@ class _SamplingFields(BaseModel):
         return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Raises ``ValueError`` naming a bad value (the server answers 400)."""
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -84,7 +119,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, structured_outputs=structured_outputs)
 
 
 class CompletionRequest(_SamplingFields):

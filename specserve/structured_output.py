@@ -1,0 +1,241 @@
+"""Structured output: a grammar (JSON schema, regex, choice list, Lark/GBNF grammar) constrains which
+tokens a request may emit, with speculation on and lossless.
+
+The grammar engine is llguidance (Microsoft's, also a vLLM and llama.cpp backend): it compiles a
+grammar against the tokenizer and, for a parse state, computes the set of tokens that keep the
+output a prefix of the language (the *mask*). What this module adds is the state each request
+keeps and how speculation reads it:
+
+* :class:`GrammarState` is one sequence's matcher. The engine advances it only when it commits
+  tokens (:meth:`GrammarState.accept`); workers read masks after a *prefix* of uncommitted
+  tokens, the drafts before a verified position (:meth:`GrammarState.allowed_token_mask`), and
+  leave the committed state as they found it.
+* The mask is a logits processor: applied to a row's logits before penalties' successors
+  (temperature, top-k/p, min-p, softmax; :func:`specserve.sample.sampler.compute_probs`), it
+  defines the distribution sampled from. Speculation masks the target's verify row j with the state
+  after drafts d_1..d_{j-1} and the draft's own distribution the same way, so rejection sampling
+  (Leviathan et al. 2023, section 2.3) keeps the output distributed as the masked target's and
+  greedy output equals greedy output without speculation. Deterministic drafts (n-gram) and tree
+  nodes the grammar refuses are cut before verification.
+* EOS (every one of the model's EOS ids) is allowed exactly where the grammar accepts the output
+  as complete; once the grammar is complete and nothing can follow, EOS is the only token allowed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The constraint of one request; exactly one field is set (vLLM's ``StructuredOutputsParams``).
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text): the output is a JSON value valid under it.
+        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        regex: the whole output matches this regular expression (Rust ``regex`` syntax).
+        choice: the output is one of these strings.
+        grammar: a context-free grammar in Lark or GBNF syntax (llguidance's).
+    Raises:
+        ValueError: none or several set, or a value of the wrong type; the message names the field.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured output needs exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json must be a JSON schema (an object or its text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return "json_object" if self.json_object else next(
+            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    def key(self) -> str:
+        """A text identifying the constraint (compiled grammars are cached by it)."""
+        value = getattr(self, self.kind)
+        return self.kind + ":" + (value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+
+
+class GrammarCompiler:
+    """Compiles :class:`StructuredOutputsParams` for one tokenizer and hands out matchers.
+
+    Args:
+        tokenizer: the engine's Hugging Face fast tokenizer.
+        vocab_size: the model's vocabulary (logits width; ids past the tokenizer's are never allowed).
+        eos_token_ids: the model's EOS ids; each is allowed where the grammar may end.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self._lltok = None
+        self._compiled: OrderedDict[str, str] = OrderedDict()
+        self._cache_size = cache_size
+
+    @property
+    def lltokenizer(self):
+        """llguidance's view of the tokenizer (built once, on first use: ~1 s for a 150k vocabulary)."""
+        if self._lltok is None:
+            import llguidance.hf
+
+            # the tokenizer may hold more ids than the model's logits (masks are cut to those) or fewer
+            n_vocab = max(self.vocab_size, self.tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+            self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab,
+                                                       eos_token=self.eos_token_ids or None)
+        return self._lltok
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The llguidance grammar of ``params``, checked against the tokenizer.
+
+        Raises:
+            ValueError: an invalid schema, regex or grammar, with llguidance's reason and the field.
+        """
+        key = params.key()
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+            return self._compiled[key]
+        from llguidance import LLMatcher, grammar_from
+
+        kind = params.kind
+        try:
+            if kind == "json_object":
+                grammar = LLMatcher.grammar_from_json_schema({"type": "object"})
+            elif kind == "json":
+                schema = params.json
+                if isinstance(schema, str):
+                    schema = json.loads(schema)
+                if not isinstance(schema, dict):
+                    raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+                grammar = LLMatcher.grammar_from_json_schema(schema)
+            elif kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(params.regex)
+            elif kind == "choice":
+                grammar = grammar_from("choice", params.choice)
+            else:
+                grammar = grammar_from("grammar", params.grammar)
+        except ValueError as e:   # json.JSONDecodeError is a ValueError too
+            raise ValueError(f"invalid {kind}: {e}") from None
+        error = LLMatcher.validate_grammar(grammar, self.lltokenizer)
+        if error:   # one line: it becomes an HTTP 400's message
+            raise ValueError(f"invalid {kind}: {' '.join(error.split())}")
+        self._compiled[key] = grammar
+        if len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
+        return grammar
+
+    def new_state(self, params: StructuredOutputsParams) -> "GrammarState":
+        """A fresh matcher at the start of the output (raises like :meth:`compile`)."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.lltokenizer, self.compile(params), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {params.kind}: {matcher.get_error()}")
+        return GrammarState(matcher, self.vocab_size, self.eos_token_ids)
+
+
+class GrammarState:
+    """One sequence's position in its grammar.
+
+    Args:
+        matcher: an llguidance ``LLMatcher`` at the sequence's committed output.
+        vocab_size: width of the masks.
+        eos_token_ids: the model's EOS ids.
+    """
+
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Sequence[int]):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.eos_token_ids = torch.tensor(list(eos_token_ids), dtype=torch.int64)
+        self._eos = frozenset(eos_token_ids)
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}   # prefix -> mask, for this committed state
+
+    def accept(self, token_id: int) -> bool:
+        """Commit one output token (the engine's commit only); False if the grammar refuses it
+        (the state is then unchanged)."""
+        self._masks.clear()
+        return self.matcher.try_consume_tokens([token_id]) == 1
+
+    def is_eos(self, token_id: int) -> bool:
+        return token_id in self._eos
+
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` the grammar allows after the committed output
+        (EOS counts only where the grammar may end; nothing after it)."""
+        tokens = list(token_ids)
+        n = self.matcher.validate_tokens(tokens)
+        # llguidance counts no EOS once the grammar has stopped; the mask allows it there
+        if n < len(tokens) and tokens[n] in self._eos and self.allowed_token_mask(tokens[:n])[tokens[n]]:
+            n += 1
+        return n
+
+    @property
+    def is_terminated(self) -> bool:
+        """Nothing but EOS can follow the committed output."""
+        return self.matcher.is_stopped()
+
+    def allowed_token_mask(self, prefix: Sequence[int] = ()) -> torch.Tensor:
+        """``[V]`` bool: tokens allowed after the committed output followed by ``prefix`` (uncommitted
+        drafts). A prefix the grammar refuses allows nothing; tokens after an EOS change nothing
+        (the sequence ends there: EOS alone stays allowed). Memoized until the next commit, so a
+        draft's mask and the verify row at the same position cost one computation."""
+        key = tuple(prefix)
+        end = next((i for i, t in enumerate(key) if t in self._eos), None)
+        if end is not None:
+            key = key[:end + 1]
+        mask = self._masks.get(key)
+        if mask is not None:
+            return mask
+        m = self.matcher
+        if end is not None:   # the output ended: EOS alone, if the EOS was allowed where it stands
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            if self.allowed_token_mask(key[:-1])[key[-1]]:
+                mask[self.eos_token_ids] = True
+            self._masks[key] = mask
+            return mask
+        n = m.try_consume_tokens(list(key)) if key else 0
+        if n < len(key):
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        else:
+            bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+            n_bits = min(len(bits), self.vocab_size)
+            mask[:n_bits] = torch.from_numpy(bits[:n_bits].astype(np.bool_))
+            if len(self.eos_token_ids):   # every EOS id where the grammar may end, none elsewhere
+                mask[self.eos_token_ids] = bool(mask[self.eos_token_ids].any()) or m.is_accepting()
+                if not mask.any():   # a dead end the grammar should never reach: let the sequence end
+                    logger.warning("grammar allows no token after %d draft tokens; allowing EOS", len(key))
+                    mask[self.eos_token_ids] = True
+        if n:
+            m.rollback(n)
+        self._masks[key] = mask
+        return mask
