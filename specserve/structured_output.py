@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -94,12 +95,13 @@ class GrammarCompiler:
         eos_token_ids: the model's EOS ids; each is allowed where the grammar may end.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 128):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], cache_size: int = 32):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
         self._lltok = None
-        self._compiled: OrderedDict[str, str] = OrderedDict()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()   # constraint -> matcher at its start
+        self._lock = threading.Lock()
         self._cache_size = cache_size
 
     @property
@@ -114,16 +116,20 @@ class GrammarCompiler:
                                                        eos_token=self.eos_token_ids or None)
         return self._lltok
 
-    def compile(self, params: StructuredOutputsParams) -> str:
-        """The llguidance grammar of ``params``, checked against the tokenizer.
+    def compile(self, params: StructuredOutputsParams):
+        """An llguidance matcher at the start of ``params``' language, checked against the
+        tokenizer (it is built here, off the engine's loop in the server: a large grammar takes
+        seconds; :meth:`new_state` copies it). Cached by the constraint's text.
 
         Raises:
-            ValueError: an invalid schema, regex or grammar, with llguidance's reason and the field.
+            ValueError: an invalid schema, regex or grammar, one whose language is empty, or one
+                past llguidance's size limits, with llguidance's reason and the field.
         """
         key = params.key()
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-            return self._compiled[key]
+        with self._lock:   # the server compiles on its preparation threads, the engine copies on its own
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
         from llguidance import LLMatcher, grammar_from
 
         kind = params.kind
@@ -143,24 +149,36 @@ class GrammarCompiler:
                 grammar = grammar_from("choice", params.choice)
             else:
                 grammar = grammar_from("grammar", params.grammar)
-        except ValueError as e:   # json.JSONDecodeError is a ValueError too
-            raise ValueError(f"invalid {kind}: {e}") from None
-        error = LLMatcher.validate_grammar(grammar, self.lltokenizer)
-        if error:   # one line: it becomes an HTTP 400's message
-            raise ValueError(f"invalid {kind}: {' '.join(error.split())}")
-        self._compiled[key] = grammar
-        if len(self._compiled) > self._cache_size:
-            self._compiled.popitem(last=False)
-        return grammar
+            error = LLMatcher.validate_grammar(grammar, self.lltokenizer)
+            if error:
+                raise ValueError(error)
+            matcher = LLMatcher(self.lltokenizer, grammar, log_level=0)
+            if not matcher.is_error():
+                matcher.compute_bitmask()   # an empty language shows here: "no extension" at the start
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
+        except (ValueError, RecursionError) as e:   # json.JSONDecodeError is a ValueError; deep nesting recurses
+            raise ValueError(f"invalid {kind}: {_reason(str(e))}") from None
+        with self._lock:
+            self._compiled[key] = matcher
+            if len(self._compiled) > self._cache_size:
+                self._compiled.popitem(last=False)
+        return matcher
 
     def new_state(self, params: StructuredOutputsParams) -> "GrammarState":
         """A fresh matcher at the start of the output (raises like :meth:`compile`)."""
-        from llguidance import LLMatcher
+        return GrammarState(self.compile(params).deep_copy(), self.vocab_size, self.eos_token_ids)
 
-        matcher = LLMatcher(self.lltokenizer, self.compile(params), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid {params.kind}: {matcher.get_error()}")
-        return GrammarState(matcher, self.vocab_size, self.eos_token_ids)
+
+def _reason(error: str) -> str:
+    """llguidance's error as one short line (it becomes an HTTP 400's message): no parser dump or
+    backtrace; an empty language said in words."""
+    if error.startswith("NoExtensionBias"):
+        return "the constraint allows no output at all (its language is empty)"
+    for cut in ("<state>", "<backtrace>"):
+        error = error.split(cut)[0]
+    error = " ".join(error.split())
+    return error if len(error) <= 400 else error[:400] + " ..."
 
 
 class GrammarState:
@@ -184,6 +202,11 @@ class GrammarState:
         (the state is then unchanged)."""
         self._masks.clear()
         return self.matcher.try_consume_tokens([token_id]) == 1
+
+    @property
+    def error(self) -> str:
+        """Why the last :meth:`accept` failed inside llguidance (a resource limit), or ""."""
+        return _reason(self.matcher.get_error()) if self.matcher.is_error() else ""
 
     def is_eos(self, token_id: int) -> bool:
         return token_id in self._eos

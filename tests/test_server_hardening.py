@@ -48,6 +48,8 @@ def error(resp) -> dict:
     ({"prompt": "x", "guided_grammar": "start: nowhere"}, "guided_grammar", "invalid grammar"),
     ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one output constraint"),
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "not supported"),
+    ({"prompt": "x", "guided_json": {"$ref": "#"}}, "guided_json", "allows no output"),
+    ({"prompt": "x", "guided_json": '{"a":' * 5000 + "1" + "}" * 5000}, "guided_json", "recursion"),
 ])
 def test_bad_completion_bodies_are_400_naming_the_field(server, body, param, fragment):
     resp = post(server, "/v1/completions", {"max_tokens": 2, **body})
@@ -300,4 +302,12 @@ def test_structured_output_through_the_server(server):
     assert re.fullmatch("[0-9]{3}-[a-z]{2}", r.choices[0].text), r.choices[0].text
     resp = post(server, "/v1/completions", {"prompt": "x", "guided_regex": "(", "max_tokens": 2})
     assert resp.status_code == 400 and error(resp)["param"] == "guided_regex"
+    # a limit llguidance checks only while generating: 400 (an error event when streamed)
+    body = {"prompt": "x", "guided_regex": "a{1000000}", "max_tokens": 4}
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 400 and "too many expressions" in error(resp)["message"], resp.text
+    resp = post(server, "/v1/completions", {**body, "stream": True})
+    events = _sse_objects(resp)
+    assert resp.status_code == 200 and "too many expressions" in events[-1]["error"]["message"]
+    assert resp.text.rstrip().endswith("data: [DONE]")
     assert httpx.get(server.base_url + "/health").status_code == 200

@@ -79,6 +79,11 @@ def llm(tiny_qwen2_dir):
     (StructuredOutputsParams(json="{not json"), "invalid json"),
     (StructuredOutputsParams(json="[1, 2]"), "must be an object"),
     (StructuredOutputsParams(grammar="start: undefined_rule"), "invalid grammar"),
+    (StructuredOutputsParams(json={"$ref": "#"}), "allows no output"),          # an empty language
+    (StructuredOutputsParams(regex="[^\\s\\S]"), "allows no output"),
+    (StructuredOutputsParams(grammar='start: a\na: a "x"'), "allows no output"),
+    (StructuredOutputsParams(json='{"a":' * 5000 + "1" + "}" * 5000), "invalid json.*recursion"),
+    (StructuredOutputsParams(choice=[f"c{i}" for i in range(70000)]), "invalid choice"),   # past a size limit
 ])
 def test_bad_grammars_are_refused_and_the_engine_goes_on(llm, so, message):
     with pytest.raises(ValueError, match=message):
@@ -86,6 +91,26 @@ def test_bad_grammars_are_refused_and_the_engine_goes_on(llm, so, message):
     out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4))[0]
     assert len(out.outputs[0].token_ids) == 4
     assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
+def test_a_limit_hit_while_generating_ends_the_request_with_the_reason(llm):
+    """llguidance checks some limits only while consuming (a repeat too large to expand): that
+    request ends ("abort", the reason as stop_reason; the server answers 400) and the rest go on."""
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, [
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a{1000000}")),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=REGEX))])
+    assert out[0].outputs[0].finish_reason == "abort"
+    assert "too many expressions" in out[0].outputs[0].stop_reason
+    assert out[1].outputs[0].finish_reason == "stop" and len(out[1].outputs[0].text) <= 3
+
+
+def test_ignore_eos_after_the_grammar_completes(llm):
+    """With ignore_eos a completed grammar allows only EOS, which is emitted until max_tokens; the
+    text is a word of the language."""
+    so = StructuredOutputsParams(choice=CHOICES)
+    c = llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                     SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, structured_outputs=so))[0].outputs[0]
+    assert c.finish_reason == "length" and c.text in CHOICES
 
 
 # ---------------------------------------------------------------------------------------- masks

@@ -367,11 +367,15 @@ class LLMEngine:
             req.cumulative_logprob += lp
         params = req.params
         detok = req.detokenizer
-        if req.grammar is not None and token not in req.eos_token_ids and not req.grammar.accept(token):
-            # every sampled row was masked by this state, so this is a bug, not bad input
-            logger.error("request %s: grammar refused committed token %d; aborting it", req.request_id, token)
+        if req.grammar is not None and not req.grammar.is_eos(token) and not req.grammar.accept(token):
+            # every sampled row was masked by this state: llguidance hit a limit it checks only
+            # while consuming (a regex repeat too large to expand, say); the request ends with the
+            # reason, which the server reports as an error
+            reason = req.grammar.error or f"the grammar refused token {token}"
+            logger.warning("request %s: the output constraint failed at output token %d: %s", req.request_id,
+                           len(req.output_token_ids), reason)
             req.text = detok.final_text()
-            self._finish(req, "abort")
+            self._finish(req, "abort", f"output constraint failed: {reason}")
             return True
         if token in req.stop_token_ids or token in req.eos_token_ids:
             if params.include_stop_str_in_output and token in req.stop_token_ids:

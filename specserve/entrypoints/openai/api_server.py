@@ -443,6 +443,9 @@ class _Generation:
                 finals[i] = out
         finally:
             self.abort()
+        failed = _constraint_failure(finals)
+        if failed is not None:
+            raise APIError(400, failed)
         choices = []
         for i, out in enumerate(finals):
             echo, echo_lps = self._echo(i, out)
@@ -469,6 +472,11 @@ class _Generation:
             async for i, out in _merge(self.iterators()):
                 if out.finished:
                     finals[i] = out
+                failed = _constraint_failure([out])
+                if failed is not None:   # mid-stream: an error event, as for a dead engine
+                    yield _sse({"error": {"message": failed, "type": "invalid_request_error", "param": None,
+                                          "code": None}})
+                    break
                 params = self.prompts[i].params
                 choices = []
                 for c in out.outputs:
@@ -517,6 +525,16 @@ class _Generation:
         finally:
             self.abort()
         yield "data: [DONE]\n\n"
+
+
+def _constraint_failure(outputs: list[RequestOutput | None]) -> str | None:
+    """The message of a choice that ended because its output constraint failed in llguidance
+    (the engine ends it with finish reason "abort" and the reason), else None."""
+    for out in outputs:
+        for c in (out.outputs if out is not None else []):
+            if c.finish_reason == "abort" and isinstance(c.stop_reason, str):
+                return f"{c.stop_reason}; simplify the schema, regex or grammar"
+    return None
 
 
 def _include_usage(body) -> bool:
