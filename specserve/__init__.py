@@ -1,6 +1,5 @@
 """specserve: an LLM inference engine built around lossless speculative decoding."""
-from specserve.sampling_params import SamplingParams
-from specserve.structured_output import StructuredOutputsParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"

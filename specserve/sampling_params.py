@@ -5,13 +5,64 @@ Every check raises ``ValueError`` whose message names the field and the offendin
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
-from specserve.structured_output import StructuredOutputsParams
-
 # vLLM treats any temperature below this as greedy decoding.
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The constraint of one request's output; exactly one field is set (vLLM's
+    ``StructuredOutputsParams``; enforced by :mod:`specserve.structured_output`).
+
+    Attributes:
+        json: a JSON schema (a dict or its JSON text): the output is a JSON value valid under it.
+        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+        regex: the whole output matches this regular expression (Rust ``regex`` syntax).
+        choice: the output is one of these strings.
+        grammar: a context-free grammar in Lark or GBNF syntax (llguidance's).
+    Raises:
+        ValueError: none or several set, or a value of the wrong type; the message names the field.
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured output needs exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"json must be a JSON schema (an object or its text), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return "json_object" if self.json_object else next(
+            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    def key(self) -> str:
+        """A text identifying the constraint (compiled grammars are cached by it)."""
+        value = getattr(self, self.kind)
+        return self.kind + ":" + (value if isinstance(value, str) else json.dumps(value, sort_keys=True))
 
 
 @dataclass

@@ -10,8 +10,8 @@ keeps and how speculation reads it:
   tokens (:meth:`GrammarState.accept`); workers read masks after a *prefix* of uncommitted
   tokens, the drafts before a verified position (:meth:`GrammarState.allowed_token_mask`), and
   leave the committed state as they found it.
-* The mask is a logits processor: applied to a row's logits before penalties' successors
-  (temperature, top-k/p, min-p, softmax; :func:`specserve.sample.sampler.compute_probs`), it
+* The mask is a logits processor: applied after the penalties and before temperature, top-k/p,
+  min-p and softmax (:func:`specserve.sample.sampler.compute_probs`), it
   defines the distribution sampled from. Speculation masks the target's verify row j with the state
   after drafts d_1..d_{j-1} and the draft's own distribution the same way, so rejection sampling
   (Leviathan et al. 2023, section 2.3) keeps the output distributed as the masked target's and
@@ -26,64 +26,14 @@ import json
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from specserve.sampling_params import StructuredOutputsParams
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StructuredOutputsParams:
-    """The constraint of one request; exactly one field is set (vLLM's ``StructuredOutputsParams``).
-
-    Attributes:
-        json: a JSON schema (a dict or its JSON text): the output is a JSON value valid under it.
-        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
-        regex: the whole output matches this regular expression (Rust ``regex`` syntax).
-        choice: the output is one of these strings.
-        grammar: a context-free grammar in Lark or GBNF syntax (llguidance's).
-    Raises:
-        ValueError: none or several set, or a value of the wrong type; the message names the field.
-    """
-
-    json: str | dict | None = None
-    json_object: bool = False
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    def __post_init__(self) -> None:
-        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object:
-            given.append("json_object")
-        if len(given) != 1:
-            raise ValueError(f"structured output needs exactly one of json, json_object, regex, choice, "
-                             f"grammar; got {given or 'none'}")
-        if self.json is not None and not isinstance(self.json, (str, dict)):
-            raise ValueError(f"json must be a JSON schema (an object or its text), got {type(self.json).__name__}")
-        for name in ("regex", "grammar"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ValueError(f"{name} must be a non-empty string, got {v!r}")
-        if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
-            self.choice = list(self.choice)
-
-    @property
-    def kind(self) -> str:
-        """The field that is set: "json", "json_object", "regex", "choice" or "grammar"."""
-        return "json_object" if self.json_object else next(
-            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
-
-    def key(self) -> str:
-        """A text identifying the constraint (compiled grammars are cached by it)."""
-        value = getattr(self, self.kind)
-        return self.kind + ":" + (value if isinstance(value, str) else json.dumps(value, sort_keys=True))
 
 
 class GrammarCompiler:

@@ -24,8 +24,7 @@ from tqdm.auto import tqdm
 from specserve.benchmarks.bench import machine_info
 from specserve.config import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_QUANTIZATION
 from specserve.entrypoints.llm import LLM
-from specserve.sampling_params import SamplingParams
-from specserve.structured_output import StructuredOutputsParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 from specserve.training.corpus import spec_bench_eval_questions
 
 SCHEMA = {"type": "object",

@@ -9,8 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specserve.sampling_params import SamplingParams
-from specserve.structured_output import StructuredOutputsParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128            # OpenAI's limit on completions per request
 MAX_LOGPROBS = 20      # top logprobs per token (OpenAI: 5 for completions, 20 for chat)
