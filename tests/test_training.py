@@ -142,6 +142,60 @@ def test_dataset_limits_and_auxiliary_features(tiny_data, tmp_path):
         HiddenStateDataset(plain, "train", 0.2, load_aux=True)
 
 
+def test_token_limited_split_takes_documents_in_the_corpus_order(tiny_data):
+    """A data-scaling prefix follows the stable corpus order (``order_key``), not the order the
+    documents were written in; a smaller prefix is part of a larger one; rows are read intact."""
+    from specserve.training.corpus import order_key
+
+    out, _ = tiny_data
+    full = HiddenStateDataset(out, "train", 0.2)
+    order = sorted(dict.fromkeys(full.doc_ids), key=order_key)
+    assert order != list(dict.fromkeys(full.doc_ids))   # the fixture was written in another order
+    small = HiddenStateDataset(out, "train", 0.2, max_tokens=1500)
+    large = HiddenStateDataset(out, "train", 0.2, max_tokens=4000)
+    kept = list(dict.fromkeys(small.doc_ids))
+    assert kept == order[:len(kept)]
+    assert large.doc_ids[:len(small.doc_ids)] == small.doc_ids
+    rows = {}
+    for d, seg in zip(full.doc_ids, full.segments):
+        rows.setdefault(d, []).append(seg)
+    seen: dict[str, int] = {}
+    for d, seg in zip(large.doc_ids, large.segments):   # each segment equals the whole-shard read's
+        want = rows[d][seen.setdefault(d, 0)]
+        seen[d] += 1
+        assert all(torch.equal(seg[k], want[k]) for k in want)
+
+
+def test_bfloat16_mixed_precision_matches_float32_closely(tiny_qwen2_dir, tiny_data):
+    """Under ``mixed_precision="bfloat16"`` the matmuls run in bfloat16 (the loss moves, so autocast
+    is on) while the loss and its gradient stay within bfloat16's rounding of float32's."""
+    from specserve.models.draft_head import DraftHead, DraftHeadConfig
+    from specserve.training.trainer import autocast, head_losses
+
+    out, _ = tiny_data
+    loaded = load_model(str(tiny_qwen2_dir))
+    w = loaded.weights
+    data = HiddenStateDataset(out, "train", 0.2, load_aux=True)
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(loaded.config, "eagle3", aux_hidden_state_layers=(0, 2)))
+    head.attach_target(w["model.embed_tokens.weight"], w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+    batch = data.batch([0, 1, 2, 3])
+    results = {}
+    for mp in ("none", "bfloat16"):
+        cfg = TrainConfig(variant="eagle3", unroll_steps=2, mixed_precision=mp)
+        head.zero_grad()
+        with autocast(cfg, "cpu"):
+            loss, _ = head_losses(head, batch, cfg, head.target_to_draft())
+        loss.backward()
+        results[mp] = (loss.detach(), torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None]))
+    (l32, g32), (l16, g16) = results["none"], results["bfloat16"]
+    assert l16.dtype == torch.float32 and l16.item() != l32.item()
+    assert abs(l16.item() - l32.item()) < 1e-2 * l32.item()
+    assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.99
+    with pytest.raises(ValueError, match="mixed_precision"):
+        TrainConfig(mixed_precision="float16")
+
+
 def test_aux_layer_flag():
     from specserve.training.commands import _aux_layers
 
@@ -154,14 +208,18 @@ def test_aux_layer_flag():
         _aux_layers("low", "eagle3", 28)
 
 
-@pytest.mark.parametrize("variant,draft_vocab,unroll", [("normed", None, 1), ("eagle", 64, 2), ("eagle3", 64, 2)])
-def test_training_lowers_val_loss_and_beats_unigram(tiny_qwen2_dir, tiny_data, tmp_path, variant, draft_vocab, unroll):
+@pytest.mark.parametrize("variant,draft_vocab,unroll,mixed_precision",
+                         [("normed", None, 1, "none"), ("eagle", 64, 2, "none"), ("eagle3", 64, 2, "none"),
+                          ("eagle3", 64, 2, "bfloat16")])
+def test_training_lowers_val_loss_and_beats_unigram(tiny_qwen2_dir, tiny_data, tmp_path, variant, draft_vocab, unroll,
+                                                    mixed_precision):
     out, _ = tiny_data
     loaded = load_model(str(tiny_qwen2_dir))
     w = loaded.weights
     lm_head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
     cfg = TrainConfig(variant=variant, draft_vocab_size=draft_vocab, unroll_steps=unroll, num_steps=150, batch_size=8,
-                      lr=2e-3, warmup_steps=10, eval_every=75, val_fraction=0.2, eval_chain=2)
+                      lr=2e-3, warmup_steps=10, eval_every=75, val_fraction=0.2, eval_chain=2,
+                      mixed_precision=mixed_precision)
     summary, _ = train_head(out, tmp_path / "head", loaded.config, w["model.embed_tokens.weight"], lm_head, cfg,
                          progress=False)
     before, after = summary["val_before"], summary["val_after"]

@@ -33,7 +33,8 @@ TRAIN_FLAGS = [
     ("intermediate_size", int, "the head's MLP width (default: the target's)"),
     ("draft_vocab_size", int, "score only the N most frequent tokens (default: all)"),
     ("val_fraction", float, "share of documents held out"), ("eval_every", int, "steps between evaluations"),
-    ("seed", int, "random seed"), ("save_dtype", str, "float16 | bfloat16 | float32")]
+    ("seed", int, "random seed"), ("save_dtype", str, "float16 | bfloat16 | float32"),
+    ("mixed_precision", str, "none | bfloat16: the training matmuls in bfloat16 under autocast")]
 
 
 def add_train_head_args(p: argparse.ArgumentParser) -> None:

@@ -42,10 +42,15 @@ def is_validation(doc_id: str, val_fraction: float) -> bool:
     return _hash01(doc_id) < val_fraction
 
 
+def order_key(doc_id: str) -> float:
+    """A document's place in the stable pseudo-random order of :func:`interleave` (in [0, 1))."""
+    return _hash01("order/" + doc_id)
+
+
 def interleave(docs: list[Document]) -> list[Document]:
     """Documents in a stable pseudo-random order (by a hash of their id), so that any prefix of a
     precomputation mixes every corpus in proportion."""
-    return sorted(docs, key=lambda d: _hash01("order/" + d[0]))
+    return sorted(docs, key=lambda d: order_key(d[0]))
 
 
 def source_root(corpus: str) -> Path:

@@ -3,7 +3,7 @@
 One example is one segment (see :mod:`specserve.training.hidden_states`) of L tokens
 ``x_0 .. x_{L-1}`` with target hidden states ``h_0 .. h_{L-1}`` and, at each position t, the
 top-k of the target's distribution of ``x_{t+1}`` (and, for EAGLE-3 heads, the target's
-auxiliary-layer features). Shards are read whole into memory (float16 hidden states: 2 x
+auxiliary-layer features). The kept segments are read into memory (float16 hidden states: 2 x
 hidden_size bytes per token, times 1 + the number of auxiliary layers when they are loaded).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.training.corpus import is_validation
+from specserve.training.corpus import is_validation, order_key
 from specserve.training.hidden_states import read_manifest
 
 
@@ -45,7 +45,9 @@ class HiddenStateDataset:
         data_dir: a folder written by :func:`~specserve.training.hidden_states.precompute_hidden_states`.
         split: ``"train"`` or ``"validation"``.
         val_fraction: share of documents (by id hash) in validation.
-        max_tokens: stop adding segments after this many tokens (None: all).
+        max_tokens: keep whole segments, documents taken in the corpus's stable order
+            (:func:`~specserve.training.corpus.order_key`), until this many tokens (None: every
+            segment, in the order written).
         load_aux: also load the auxiliary-layer features (EAGLE-3 heads).
     Raises:
         FileNotFoundError: no manifest. ValueError: a bad split, an empty split, or ``load_aux``
@@ -54,7 +56,7 @@ class HiddenStateDataset:
 
     def __init__(self, data_dir: str | Path, split: str = "train", val_fraction: float = 0.05,
                  max_tokens: int | None = None, load_aux: bool = False):
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         if split not in ("train", "validation"):
             raise ValueError(f"split must be 'train' or 'validation', got {split!r}")
@@ -66,22 +68,48 @@ class HiddenStateDataset:
                              "needs them): precompute with --aux-layers")
         keys = ("hidden_states", "input_ids", "topk_ids", "topk_probs") + (("aux_hidden_states",) if load_aux else ())
         want_val = split == "validation"
+        # the split's segments (shard, first row, length, document), from the shards' small index tensors
+        index: list[tuple[str, int, int, int]] = []
+        for shard in self.manifest["shards"]:
+            path = str(Path(data_dir) / shard["file"])
+            with safe_open(path, "pt") as f:
+                lens, seq_doc = f.get_tensor("seq_lens").tolist(), f.get_tensor("seq_doc").tolist()
+            start = 0
+            for n, d in zip(lens, seq_doc):
+                if is_validation(docs[d], val_fraction) == want_val:
+                    index.append((path, start, n, d))
+                start += n
+        if max_tokens is not None:
+            # a prefix in the corpus's stable document order (not the order documents were written
+            # in: self-distilled ones come first), so every size mixes the corpora alike and a
+            # smaller prefix of a folder is part of a larger one
+            index.sort(key=lambda e: (order_key(docs[e[3]]), e[1]))   # a document's segments stay in order
+            kept, total = [], 0
+            for e in index:
+                if total >= max_tokens:
+                    break
+                kept.append(e)
+                total += e[2]
+            index = kept
         self.segments: list[dict[str, torch.Tensor]] = []
         self.doc_ids: list[str] = []
         self.num_tokens = 0
-        for shard in self.manifest["shards"]:
-            t = load_file(str(Path(data_dir) / shard["file"]))
-            start = 0
-            for n, d in zip(t["seq_lens"].tolist(), t["seq_doc"].tolist()):
-                if is_validation(docs[d], val_fraction) == want_val:
-                    self.segments.append({k: t[k][start:start + n] for k in keys})
-                    self.doc_ids.append(docs[d])
-                    self.num_tokens += n
-                start += n
-                if max_tokens is not None and self.num_tokens >= max_tokens:
-                    break
-            if max_tokens is not None and self.num_tokens >= max_tokens:
-                break
+        by_shard: dict[str, list[int]] = {}
+        for i, (path, _, _, _) in enumerate(index):
+            by_shard.setdefault(path, []).append(i)
+        loaded: list[dict[str, torch.Tensor] | None] = [None] * len(index)
+        for path, members in by_shard.items():   # each shard is opened once; only the kept rows are read
+            with safe_open(path, "pt") as f:
+                for k in keys:
+                    sl = f.get_slice(k)
+                    for i in members:
+                        _, start, n, _ = index[i]
+                        loaded[i] = loaded[i] or {}
+                        loaded[i][k] = sl[start:start + n]
+        for (_, _, n, d), seg in zip(index, loaded):
+            self.segments.append(seg)
+            self.doc_ids.append(docs[d])
+            self.num_tokens += n
         if not self.segments:
             raise ValueError(f"the {split} split of {str(data_dir)!r} is empty "
                              f"({len(docs)} documents, val_fraction {val_fraction})")
