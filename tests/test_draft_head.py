@@ -385,3 +385,55 @@ def test_load_foreign_eagle3_checkpoint(tmp_path):
     sd = head.state_dict()
     for name in shapes:
         assert torch.equal(sd[name.removeprefix("midlayer.")], tensors[name]), name
+
+
+WIDE_TARGET = ModelConfig(architecture="qwen2", vocab_size=80, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128, attention_bias=True)
+
+
+@pytest.mark.parametrize("layout,max_rel_err,min_top1", [("int8", 0.05, 0.9), ("int4", 0.3, 0.7)])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_quantized_head_drafts_close_to_the_float_head(variant, layout, max_rel_err, min_top1):
+    """``quantize_`` puts every linear on the integer kernels: the logits stay within the layout's
+    rounding of the float head's and the top-1 draft mostly agrees; the target's own quantized
+    lm_head rows are kept as stored."""
+    from specserve.models.linear import QuantizedLinear
+    from specserve.models.quantization import quantize
+
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(WIDE_TARGET, variant, intermediate_size=128, draft_vocab_size=48,
+                                     aux_hidden_state_layers=(0, 2) if variant == "eagle3" else ())
+    head = DraftHead(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(mean=1.0 if p.ndim == 1 and p.shape[0] == 64 else 0.0, std=0.15)
+    head.set_draft_vocab(torch.randperm(80)[:48].sort().values)
+    g = torch.Generator().manual_seed(1)
+    embed, lm_head = torch.randn(80, 64, generator=g), torch.randn(80, 64, generator=g)
+    target_lm_head = quantize(lm_head, layout, "lm_head.weight")
+    head.attach_target(embed, target_lm_head.dequantize())
+    width = 64 * (cfg.num_aux_layers if variant == "eagle3" else 1)
+    hidden, ids = torch.randn(1, 96, width, generator=g), torch.randint(0, 80, (1, 96), generator=g)
+    pos = torch.arange(96).unsqueeze(0)
+    with torch.no_grad():
+        want = head.compute_logits(head(hidden, ids, pos))
+        head.quantize_(layout, target_lm_head=target_lm_head)
+        got = head.compute_logits(head(hidden[0], ids[0], pos[0]))   # the inference shape [T, W]
+    assert head.quantization == layout and head.lm_head_weight is None
+    assert all(isinstance(head.get_submodule(n), QuantizedLinear) for n in ["self_attn.q_proj", "mlp.down_proj"])
+    kept = head.quantized_lm_head.parts[0]
+    assert torch.equal(kept.qs, target_lm_head.select_rows(head.draft_to_target).qs)
+    assert got.dtype == torch.float32 and got.shape == want[0].shape
+    assert (got - want[0]).norm() / want[0].norm() < max_rel_err
+    assert (got.argmax(-1) == want[0].argmax(-1)).float().mean() >= min_top1
+
+
+def test_quantizing_a_head_names_what_cannot_pack():
+    head = make_head("eagle3")   # hidden size 32: int4 packs in_features in multiples of 64
+    with pytest.raises(ValueError, match=r"o_proj.weight.*in_features 32"):
+        head.quantize_("int4")
+    with pytest.raises(ValueError, match="int3"):
+        make_head("eagle").quantize_("int3")
+    plain = make_head("normed")
+    assert plain.quantize_("none") is plain and plain.quantization == "none"

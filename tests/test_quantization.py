@@ -204,6 +204,9 @@ def test_quantized_target_greedy_speculation_exact(quantized_reference, tiny_qwe
     elif method in ("mtp", "eagle"):
         cfg["model"] = trained_tiny_head
     llm = LLM(tiny_qwen2_dir, quantization=layout, speculative_config=cfg)
+    if method in ("mtp", "eagle"):   # the head drafts on the target's integer kernels too
+        head = llm.llm_engine.proposer.head
+        assert head.quantization == layout and isinstance(head.self_attn.q_proj, QuantizedLinear)
     assert _ids(llm.generate(_prompts(), GREEDY)) == reference
     st = llm.llm_engine.spec_stats
     assert st.num_verify_steps > 0

@@ -287,6 +287,8 @@ class DraftHead(nn.Module):
         self.embed_weight: torch.Tensor | None = None     # [V, H]
         self.lm_head_weight: torch.Tensor | None = None   # [N, H] the draft vocabulary's rows
         self._full_lm_head: torch.Tensor | None = None    # [V, H]
+        self.quantized_lm_head: nn.Module | None = None   # inference: the rows on our integer kernels
+        self.quantization = "none"
 
     # ------------------------------------------------------------------ target parts
     def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
@@ -414,9 +416,66 @@ class DraftHead(nn.Module):
             head_hidden = self.norm(head_hidden)
             if self.config.own_lm_head:
                 return self.lm_head(head_hidden).float()
+        if self.quantized_lm_head is not None:
+            lead = head_hidden.shape[:-1]
+            return self.quantized_lm_head(head_hidden.reshape(-1, head_hidden.shape[-1])).reshape(*lead, -1)
         if self.lm_head_weight is None:
             raise RuntimeError("attach_target() first: the head shares the target's lm_head")
         return F.linear(head_hidden, self.lm_head_weight.to(head_hidden.dtype)).float()
+
+    # ------------------------------------------------------------------ inference layout
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float dtype of the head's activations and KV cache (its norms' weights)."""
+        return self.post_attention_layernorm.weight.dtype
+
+    def linear_names(self) -> list[str]:
+        """The qualified names of the head's linear modules (``fc``, attention, MLP, own lm_head)."""
+        return [n for n, m in self.named_modules() if isinstance(m, nn.Linear)]
+
+    def quantize_(self, quantization: str, target_lm_head=None) -> "DraftHead":
+        """Inference only, in place: every linear on our batch-invariant int8 / int4 kernels
+        (:func:`~specserve.models.linear.make_linear`), so a draft token reads about a quarter (int8)
+        or an eighth (int4) of the float32 bytes; drafting at batch 1 is bound by those bytes.
+
+        A draft's numerics change which tokens are proposed, never which are emitted (the target
+        verifies each one), so this is lossless. Call after :meth:`attach_target` and the vocabulary
+        is set; the head can no longer be trained or saved.
+
+        Args:
+            quantization: ``"none"`` (no change), ``"int8"`` or ``"int4"``.
+            target_lm_head: the target's lm_head as it is stored
+                (:class:`~specserve.models.quantization.QuantizedTensor` ``[V, H]``): its draft
+                vocabulary rows are kept in the target's own blocks instead of being re-quantized
+                from the float copy. None: quantize ``lm_head_weight``.
+        Raises:
+            ValueError: an unknown quantization, or a shape the layout cannot pack (named).
+        """
+        from specserve.models.linear import make_linear
+        from specserve.models.quantization import QuantizedTensor, check_quantization
+
+        quantization = check_quantization(quantization)
+        if quantization == "none":
+            return self
+        for name in self.linear_names():
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            lin = getattr(parent, attr)
+            bias = None if lin.bias is None else lin.bias.detach().float()
+            setattr(parent, attr, make_linear([lin.weight.detach().float()], bias, quantization, name + ".weight"))
+        if not self.config.own_lm_head:
+            if self.lm_head_weight is None:
+                raise RuntimeError("attach_target() first: the head scores with the target's lm_head rows")
+            if isinstance(target_lm_head, QuantizedTensor):
+                rows = target_lm_head
+                if self.config.draft_vocab_size is not None:
+                    rows = target_lm_head.select_rows(self.draft_to_target.cpu())
+            else:
+                rows = self.lm_head_weight.float()
+            self.quantized_lm_head = make_linear([rows], None, quantization, "lm_head.weight")
+            self.lm_head_weight = None   # the float copy is no longer read
+        self.quantization = quantization
+        return self
 
     # ------------------------------------------------------------------ checkpoints
     def eagle_state_dict(self) -> dict[str, torch.Tensor]:

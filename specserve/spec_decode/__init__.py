@@ -84,7 +84,11 @@ def _load_head(cfg: SpeculativeConfig, target: TargetInfo):
     if isinstance(lm_head, QuantizedTensor):  # a head scores with a float copy of the target's head
         lm_head = lm_head.dequantize().to(target.dtype)
     head.attach_target(target.embedding, lm_head, keep_full_lm_head=False)
-    return head
+    # like a draft model, the head takes the target's quantization unless told otherwise: drafting
+    # at batch 1 reads every weight per token, and the float32 head would cost most of an int4
+    # target's step
+    quantization = cfg.draft_quantization if cfg.draft_quantization is not None else target.quantization
+    return head.quantize_(quantization, target_lm_head=target.lm_head)
 
 
 def _build_mtp(cfg: SpeculativeConfig, target: TargetInfo, loaded: "LoadedModel | None") -> Proposer:

@@ -66,7 +66,7 @@ class MTPProposer(ChainProposer):
         self.block_size = block_size
         self.vocab_size = target_vocab_size
         cfg = head.config
-        dtype = next(head.parameters()).dtype
+        dtype = head.dtype
         self.kv = KVCache(1, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         self.device = device
         self.max_position = cfg.max_position_embeddings
@@ -128,7 +128,7 @@ class MTPProposer(ChainProposer):
             positions = [p for s, n in zip(starts, lens) for p in range(s, s + n)]
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         with torch.inference_mode():
-            return self.head(hidden.to(self.device, next(self.head.parameters()).dtype), ids, pos,
+            return self.head(hidden.to(self.device, self.head.dtype), ids, pos,
                              PagedKV(self.kv.key_cache[0], self.kv.value_cache[0], md))
 
     def _target_logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
