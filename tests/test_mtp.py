@@ -144,6 +144,7 @@ def test_evaluate_reports_engine_counters(tiny_qwen2_dir, tmp_path):
     assert r["num_verify_steps"] > 0 and r["output_tokens"] == 24
     assert r["acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_verify_steps"])
     assert len(r["chain_accuracy"]) == 3 and r["top1"] == r["chain_accuracy"][0]
+    assert r["draft_quantization"] == "none"   # the float target's head stays float
 
 
 def test_head_methods_take_the_head_shipped_for_the_target():

@@ -198,7 +198,7 @@ def run_train_head(args: argparse.Namespace) -> int:
 
 
 def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str,
-          quantization: str = "none", num_specbench: int = 0) -> dict:
+          quantization: str = "none", num_specbench: int = 0, draft_quantization: str | None = None) -> dict:
     from specserve.benchmarks.bench import humaneval_prompts
     from specserve.training.corpus import spec_bench_eval_questions
     from specserve.training.evaluate import evaluate_head_in_engine
@@ -217,10 +217,11 @@ def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dty
         step = len(held_out) // num_specbench
         prompts += [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                     for _, q in held_out[::step][:num_specbench]]
-    result = evaluate_head_in_engine(target, head, prompts, k, max_tokens, dtype, quantization=quantization)
+    result = evaluate_head_in_engine(target, head, prompts, k, max_tokens, dtype, quantization=quantization,
+                                     draft_quantization=draft_quantization)
     result["num_specbench_prompts"] = num_specbench
     print(f"engine evaluation ({num_prompts} held-out HumanEval prompts + {num_specbench} Spec-Bench, k={k}, greedy, "
-          f"target {quantization}): acceptance length {result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, "
+          f"target {quantization}, head {result['draft_quantization']}): acceptance length {result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, "
           f"chain accuracy {[round(x, 3) for x in result['chain_accuracy']]}", flush=True)
     return result
 
@@ -235,6 +236,8 @@ def add_eval_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
                    help="the target's linears (evaluate a head on the target it was trained on; default: %(default)s)")
+    p.add_argument("--draft-quantization", default=None, choices=list(QUANTIZATIONS),
+                   help="the head's linears (default: the target's, as served)")
     p.add_argument("--specbench-prompts", type=int, default=0,
                    help="also this many held-out Spec-Bench questions, through the chat template (default: %(default)s)")
     p.add_argument("--data-dir", default=None, help="precomputed hidden states: also report the validation loss")
@@ -249,7 +252,8 @@ def run_eval_head(args: argparse.Namespace) -> int:
 
     result = {"target": args.target, "head": args.head,
               "engine": _eval(args.target, args.head, args.num_prompts, args.num_speculative_tokens,
-                              args.max_tokens, args.dtype, args.quantization, args.specbench_prompts)}
+                              args.max_tokens, args.dtype, args.quantization, args.specbench_prompts,
+                              args.draft_quantization)}
     if args.data_dir:
         from specserve.training.dataset import HiddenStateDataset
         from specserve.training.trainer import evaluate

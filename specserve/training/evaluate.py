@@ -25,7 +25,7 @@ def conditional_acceptance(chain: list[float]) -> list[float]:
 
 def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_speculative_tokens: int = 4,
                             max_tokens: int = 64, dtype: str = "float32", llm=None,
-                            quantization: str = "none") -> dict:
+                            quantization: str = "none", draft_quantization: str | None = None) -> dict:
     """Generate greedily with the head drafting; returns acceptance metrics and checks exactness.
 
     Args:
@@ -34,6 +34,7 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
         prompts: held-out prompts (raw text).
         llm: an already built ``LLM`` with this head (tests); otherwise one is built.
         quantization: the target's (a head trained on the int4 target's features drafts for it).
+        draft_quantization: the head's linears (None: the target's, as served; "none": float).
     Returns:
         ``{"acceptance_length", "top1", "per_position_acceptance", "chain_accuracy", "num_verify_steps",
         "num_draft_tokens", "num_accepted_tokens", "output_tokens"}``.
@@ -41,8 +42,10 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
     from specserve.entrypoints.llm import LLM
 
     if llm is None:
-        llm = LLM(target, dtype=dtype, quantization=quantization, speculative_config={"method": "mtp", "model": head, "adaptive": False,
-                                                           "num_speculative_tokens": num_speculative_tokens})
+        llm = LLM(target, dtype=dtype, quantization=quantization,
+                  speculative_config={"method": "mtp", "model": head, "adaptive": False,
+                                      "num_speculative_tokens": num_speculative_tokens,
+                                      "draft_quantization": draft_quantization})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)
     st = llm.llm_engine.spec_stats
     steps = st.num_verify_steps
@@ -53,4 +56,5 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
             "num_verify_steps": steps, "num_draft_tokens": st.num_draft_tokens,
             "num_accepted_tokens": st.num_accepted_tokens,
             "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-            "num_prompts": len(prompts), "max_tokens": max_tokens, "num_speculative_tokens": num_speculative_tokens}
+            "num_prompts": len(prompts), "max_tokens": max_tokens, "num_speculative_tokens": num_speculative_tokens,
+            "draft_quantization": llm.llm_engine.proposer.head.quantization}
