@@ -316,6 +316,32 @@ def test_training_plot_from_logs(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_step_logits_reuse_the_rows_a_step_scored():
+    """The capture takes the logits a step already computed and runs the lm_head only on the rest."""
+    from types import SimpleNamespace
+
+    from specserve.training.hidden_states import _step_logits
+
+    g = torch.Generator().manual_seed(0)
+    hidden, w = torch.randn(7, 5, generator=g), torch.randn(11, 5, generator=g)
+    asked = []
+
+    def compute_logits(h, rows):
+        asked.append(list(rows))
+        return h[torch.tensor(rows)] @ w.T
+
+    runner = SimpleNamespace(compute_logits=compute_logits)
+    scored = [6, 2]
+    result = SimpleNamespace(hidden_states=hidden, logits=hidden[torch.tensor(scored)] @ w.T, logit_rows=scored)
+    for rows, computes in (([2, 6], []), ([0, 1, 2], [0, 1]), ([3, 4], [3, 4]), ([6, 5, 2, 0], [5, 0])):
+        asked.clear()
+        got = _step_logits(runner, result, rows)
+        torch.testing.assert_close(got, hidden[torch.tensor(rows)] @ w.T)
+        assert asked == ([computes] if computes else [])
+    none = SimpleNamespace(hidden_states=hidden, logits=None, logit_rows=None)
+    torch.testing.assert_close(_step_logits(runner, none, [1, 3]), hidden[torch.tensor([1, 3])] @ w.T)
+
+
 def test_hidden_states_captured_while_generating_equal_a_second_pass(tiny_qwen2_dir, tmp_path):
     """Self-distillation that keeps the target's hidden states as it generates (prefill chunks,
     then each decode step) stores what a separate pass over prompt + answer computes, and the

@@ -302,6 +302,25 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
     return writer.close(complete=True)
 
 
+def _step_logits(runner, result, rows: list[int]) -> torch.Tensor:
+    """The target's raw logits ``[len(rows), V]`` float32 at hidden-state ``rows`` of a step: the
+    rows the step scored already (every decode row: its sampled one) are reused, and the rest
+    (prefill rows) get one lm_head call, so the vocabulary's weights are read once either way."""
+    have = {r: i for i, r in enumerate(result.logit_rows or [])} if result.logits is not None else {}
+    missing = [n for n, r in enumerate(rows) if r not in have]
+    if not missing:
+        return result.logits.index_select(0, torch.tensor([have[r] for r in rows], device=result.logits.device))
+    computed = runner.compute_logits(result.hidden_states, [rows[n] for n in missing])
+    if len(missing) == len(rows):
+        return computed
+    out = computed.new_empty((len(rows), computed.shape[1]))
+    out[torch.tensor(missing)] = computed
+    present = [n for n, r in enumerate(rows) if r in have]
+    out[torch.tensor(present)] = result.logits.index_select(0, torch.tensor([have[rows[n]] for n in present],
+                                                                            device=result.logits.device))
+    return out
+
+
 class _CapturedSequence:
     def __init__(self):
         self.hidden: list[torch.Tensor] = []
@@ -346,8 +365,8 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
         if not caps:
             return
         hidden = result.hidden_states[torch.tensor(flat)]
-        with torch.inference_mode():   # one lm_head over the step's rows: the weights are read once
-            p, i = torch.softmax(runner.compute_logits(result.hidden_states, flat), dim=-1).topk(top_k, dim=-1)
+        with torch.inference_mode():
+            p, i = torch.softmax(_step_logits(runner, result, flat), dim=-1).topk(top_k, dim=-1)
         for cap, h, pp, ii in zip(caps, hidden.split(sizes), p.split(sizes), i.split(sizes)):
             cap.hidden.append(h.to(torch.float16))
             cap.topk_ids.append(ii.to(torch.int32))

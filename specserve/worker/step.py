@@ -175,6 +175,9 @@ class StepResult:
         sync_free: the step ran the sync-free chain path (one host read).
         hidden_states ``[T, H]`` and hidden_rows[b]: the target's final hidden states and, per
             sequence, the rows of its computed positions ``context_lens[b] ...`` (heads read them).
+        logits ``[R, V]`` float32 and logit_rows ``[R]``: the raw target logits the step computed
+            (before any sampling processor) and the hidden-state rows they score (a plain step's
+            sampled and prompt-logprob rows; None where not kept), so observers need not recompute them.
     """
 
     new_token_ids: list[list[int]]
@@ -189,6 +192,8 @@ class StepResult:
     hidden_states: torch.Tensor | None = field(default=None, repr=False)
     hidden_rows: list[list[int] | range] | None = None
     prompt_logprobs: list[tuple[int, list[LogprobEntry]] | None] | None = None
+    logits: torch.Tensor | None = field(default=None, repr=False)
+    logit_rows: list[int] | None = None
 
     @property
     def verified(self) -> bool:
