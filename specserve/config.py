@@ -133,7 +133,7 @@ class SpeculativeConfig:
             :class:`EngineArgs`); unused by ``"ngram"``.
         num_speculative_tokens: k, draft tokens proposed per step (>= 1); for ``"eagle"`` the tree's
             depth (a static tree sets it to its own depth).
-        draft_quantization: the draft model's ``quantization``: ``None`` (the same as the target's),
+        draft_quantization: the draft model's (or head's) ``quantization``: ``None`` (the same as the target's),
             ``"none"`` (float), ``"int8"`` or ``"int4"``. A draft's numerics change which tokens are
             proposed, never which are emitted: the target verifies every token.
         adaptive: choose k <= ``num_speculative_tokens`` for every decode step from measured

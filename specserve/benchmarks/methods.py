@@ -49,13 +49,14 @@ def method_config(method: str, args: argparse.Namespace) -> dict | None:
     head = args.head or shipped_head_for(args.model)
     if head is None:
         raise ValueError(f"--methods {method} needs a draft head for {args.model!r}: pass --head")
+    dq = args.draft_quantization   # a head's linears too (None: the target's layout, as served)
     if method == "mtp":
-        return {"method": "mtp", "model": head, "num_speculative_tokens": k, "adaptive": False}
+        return {"method": "mtp", "model": head, "num_speculative_tokens": k, "adaptive": False, "draft_quantization": dq}
     if method == "eagle-static":
-        return {"method": "eagle", "model": head, "adaptive": False,
+        return {"method": "eagle", "model": head, "adaptive": False, "draft_quantization": dq,
                 "speculative_token_tree": args.speculative_token_tree or "eagle1"}
     return {"method": "eagle", "model": head, "adaptive": False, "num_speculative_tokens": args.tree_depth,
-            "eagle_topk": args.eagle_topk, "num_draft_tokens": args.num_draft_tokens}
+            "eagle_topk": args.eagle_topk, "num_draft_tokens": args.num_draft_tokens, "draft_quantization": dq}
 
 
 def benchmark_prompts(tokenizer, num_humaneval: int, num_specbench: int) -> list[tuple[str, list[int]]]:

@@ -43,7 +43,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_NUM_SPECULATIVE_TOKENS,
                    help="draft tokens per step, k (default: %(default)s)")
     p.add_argument("--draft-quantization", "--speculative-quantization", choices=list(QUANTIZATIONS), default=None,
-                   help="the draft model's linears (default: the same as --quantization); the output stays "
+                   help="the draft model's or head's linears (default: the same as --quantization); the output stays "
                         "exact whatever the draft's numerics, since the target verifies every token")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's spelling: the whole speculative config as JSON, e.g. "
