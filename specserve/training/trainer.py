@@ -315,7 +315,7 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
         c = max(stats[0]["count"], 1)
         rec = {"step": step + 1, "lr": lr_at(step, cfg), "loss": loss.item(), "hidden_loss": stats[0]["hidden_loss"] / c,
                "ce": stats[0]["ce"] / c, "top1": stats[0]["top1"] / c, "grad_norm": float(grad_norm),
-               "tokens": tokens_seen}
+               "tokens": tokens_seen, "seconds": time.perf_counter() - t0}   # before this step's evaluation
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.num_steps:
             rec["val"] = evaluate(head, val, cfg, target_to_draft, max_segments=cfg.max_eval_segments)
             history.append(rec)
