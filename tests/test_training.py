@@ -342,6 +342,27 @@ def test_step_logits_reuse_the_rows_a_step_scored():
     torch.testing.assert_close(_step_logits(runner, none, [1, 3]), hidden[torch.tensor([1, 3])] @ w.T)
 
 
+def test_plain_step_reports_the_logits_it_computed(tiny_qwen2_dir):
+    """``StepResult.logits`` / ``logit_rows`` are the raw target logits of the rows the step scored,
+    also when the step returns logprobs (which reuses the worker's row bookkeeping)."""
+    from specserve.sampling_params import SamplingParams
+
+    llm = LLM(tiny_qwen2_dir, max_num_batched_tokens=16)
+    engine, seen = llm.llm_engine, []
+
+    def observe(reqs, result):
+        assert all(isinstance(r, int) for r in result.logit_rows)
+        want = engine.runner.compute_logits(result.hidden_states, result.logit_rows)
+        torch.testing.assert_close(result.logits, want, rtol=0, atol=0)
+        seen.append(len(result.logit_rows))
+
+    engine.step_observers.append(observe)
+    llm.generate(["def add(a, b):", "import os\nimport sys\n\nclass Point:"],
+                 [SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+                  SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1)], use_tqdm=False)
+    assert seen and max(seen) >= 2
+
+
 def test_hidden_states_captured_while_generating_equal_a_second_pass(tiny_qwen2_dir, tmp_path):
     """Self-distillation that keeps the target's hidden states as it generates (prefill chunks,
     then each decode step) stores what a separate pass over prompt + answer computes, and the

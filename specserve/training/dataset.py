@@ -97,14 +97,13 @@ class HiddenStateDataset:
         by_shard: dict[str, list[int]] = {}
         for i, (path, _, _, _) in enumerate(index):
             by_shard.setdefault(path, []).append(i)
-        loaded: list[dict[str, torch.Tensor] | None] = [None] * len(index)
+        loaded: list[dict[str, torch.Tensor]] = [{} for _ in index]
         for path, members in by_shard.items():   # each shard is opened once; only the kept rows are read
             with safe_open(path, "pt") as f:
                 for k in keys:
                     sl = f.get_slice(k)
                     for i in members:
                         _, start, n, _ = index[i]
-                        loaded[i] = loaded[i] or {}
                         loaded[i][k] = sl[start:start + n]
         for (_, _, n, d), seg in zip(index, loaded):
             self.segments.append(seg)

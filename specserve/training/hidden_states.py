@@ -308,16 +308,11 @@ def _step_logits(runner, result, rows: list[int]) -> torch.Tensor:
     (prefill rows) get one lm_head call, so the vocabulary's weights are read once either way."""
     have = {r: i for i, r in enumerate(result.logit_rows or [])} if result.logits is not None else {}
     missing = [n for n, r in enumerate(rows) if r not in have]
-    if not missing:
-        return result.logits.index_select(0, torch.tensor([have[r] for r in rows], device=result.logits.device))
-    computed = runner.compute_logits(result.hidden_states, [rows[n] for n in missing])
     if len(missing) == len(rows):
-        return computed
-    out = computed.new_empty((len(rows), computed.shape[1]))
-    out[torch.tensor(missing)] = computed
-    present = [n for n, r in enumerate(rows) if r in have]
-    out[torch.tensor(present)] = result.logits.index_select(0, torch.tensor([have[rows[n]] for n in present],
-                                                                            device=result.logits.device))
+        return runner.compute_logits(result.hidden_states, rows)
+    out = result.logits.index_select(0, torch.tensor([have.get(r, 0) for r in rows], device=result.logits.device))
+    if missing:
+        out[torch.tensor(missing)] = runner.compute_logits(result.hidden_states, [rows[n] for n in missing])
     return out
 
 

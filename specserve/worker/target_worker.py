@@ -60,7 +60,7 @@ class TargetWorker:
         rows = [cu[b + 1] - 1 for b in sampling] + [cu[b] + p - batch.context_lens[b] for b, r in scored for p in r]
         hidden, logits = self.runner.forward_with_logits(batch.input_ids, batch.positions, batch.block_tables,
                                                          batch.context_lens, batch.query_lens, rows)   # [T, H], [R, V]
-        all_logits = logits
+        step_logits, logit_rows = logits, rows   # kept for observers (`rows` is reused below)
         prompt_logprobs = None
         if scored:
             prompt_logprobs = self._prompt_logprobs(batch, logits[len(sampling):], scored)
@@ -77,8 +77,8 @@ class TargetWorker:
                     rows[b] = [i]
                 logprobs = logprob_entries(out, rows, batch.params)
         return StepResult(new_tokens, list(batch.query_lens), logprobs, hidden_states=hidden,
-                          hidden_rows=hidden_rows, prompt_logprobs=prompt_logprobs, logits=all_logits,
-                          logit_rows=rows)
+                          hidden_rows=hidden_rows, prompt_logprobs=prompt_logprobs, logits=step_logits,
+                          logit_rows=logit_rows)
 
     @staticmethod
     def _prompt_logprobs(batch: StepBatch, logits: torch.Tensor,
