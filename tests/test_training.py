@@ -231,6 +231,51 @@ def test_training_lowers_val_loss_and_beats_unigram(tiny_qwen2_dir, tiny_data, t
     assert (tmp_path / "head" / "model.safetensors").is_file()
 
 
+def test_interrupted_training_resumes_to_the_same_weights(tiny_qwen2_dir, tiny_data, tmp_path, monkeypatch):
+    """A run stopped at a step, then killed between checkpoints, then rerun, ends with the weights,
+    log and token count of a run never interrupted, bit for bit; a checkpoint of other settings is
+    refused by name."""
+    out, _ = tiny_data
+    loaded = load_model(str(tiny_qwen2_dir))
+    w = loaded.weights
+    args = (loaded.config, w["model.embed_tokens.weight"], w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+    cfg = TrainConfig(variant="eagle3", draft_vocab_size=64, unroll_steps=2, num_steps=24, batch_size=4, lr=2e-3,
+                      warmup_steps=4, eval_every=10 ** 6, val_fraction=0.2, eval_chain=2, checkpoint_every=8,
+                      own_lm_head=True)
+    whole, head_a = train_head(out, tmp_path / "a", *args, cfg, progress=False)
+
+    piece, _ = train_head(out, tmp_path / "b", *args, cfg, progress=False, stop_at_step=5)
+    assert not piece["complete"] and (tmp_path / "b" / "checkpoint.pt").is_file()
+    assert not (tmp_path / "b" / "model.safetensors").exists()
+    calls = {"n": 0}
+    real_batch = HiddenStateDataset.batch
+
+    def dies_at_step_14(self, idx):   # a kill: after the step-8 checkpoint, before the step-16 one
+        calls["n"] += 1
+        if calls["n"] == 14 - 5 + 1:
+            raise KeyboardInterrupt
+        return real_batch(self, idx)
+
+    monkeypatch.setattr(HiddenStateDataset, "batch", dies_at_step_14)
+    with pytest.raises(KeyboardInterrupt):
+        train_head(out, tmp_path / "b", *args, cfg, progress=False)
+    monkeypatch.setattr(HiddenStateDataset, "batch", real_batch)
+    with pytest.raises(ValueError, match="lr 0.002 there, 0.001 now"):
+        train_head(out, tmp_path / "b", *args, TrainConfig(**{**cfg.__dict__, "lr": 1e-3}), progress=False)
+    resumed, head_b = train_head(out, tmp_path / "b", *args, cfg, progress=False)
+
+    assert resumed["complete"] and resumed["resumed_at"] == [5, 8]
+    assert not (tmp_path / "b" / "checkpoint.pt").exists()
+    sa, sb = head_a.state_dict(), head_b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert resumed["tokens_seen"] == whole["tokens_seen"] and resumed["val_after"] == whole["val_after"]
+    logs = [[{k: v for k, v in json.loads(line).items() if k != "seconds"}
+             for line in (tmp_path / d / "train_log.jsonl").read_text().splitlines()] for d in "ab"]
+    assert logs[0] == logs[1] and [r["step"] for r in logs[1]] == list(range(1, 25))
+    with pytest.raises(ValueError, match="stop_at_step"):
+        train_head(out, tmp_path / "c", *args, cfg, progress=False, stop_at_step=0)
+
+
 DDP_SCRIPT = """
 import json, sys, torch
 import torch.distributed as dist

@@ -34,7 +34,9 @@ TRAIN_FLAGS = [
     ("draft_vocab_size", int, "score only the N most frequent tokens (default: all)"),
     ("val_fraction", float, "share of documents held out"), ("eval_every", int, "steps between evaluations"),
     ("seed", int, "random seed"), ("save_dtype", str, "float16 | bfloat16 | float32"),
-    ("mixed_precision", str, "none | bfloat16: the training matmuls in bfloat16 under autocast")]
+    ("mixed_precision", str, "none | bfloat16: the training matmuls in bfloat16 under autocast"),
+    ("checkpoint_every", int, "steps between resumable checkpoints (out/checkpoint.pt; a rerun of the same "
+                              "command goes on from the last one); 0: none")]
 
 
 def add_train_head_args(p: argparse.ArgumentParser) -> None:
@@ -75,6 +77,9 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
     for name, typ, help_ in TRAIN_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), type=typ, default=defaults[name],
                        help=help_ if "(default" in help_ else f"{help_} (default: %(default)s)")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop after this many training steps with a checkpoint and no head written (a piece "
+                        "of a long run: rerun without it to finish)")
     p.add_argument("--eval-prompts", type=int, default=10,
                    help=f"held-out HumanEval prompts (of the first {HUMANEVAL_EVAL_PROMPTS}) for the engine "
                         "evaluation after training; 0 skips it (default: %(default)s)")
@@ -180,8 +185,13 @@ def run_train_head(args: argparse.Namespace) -> int:
     device = args.device
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
-    summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg, device=device)
+    summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg, device=device,
+                               stop_at_step=args.stop_at_step)
     del loaded, w, embed, head
+    if not summary["complete"]:
+        print(f"stopped at step {args.stop_at_step} of {cfg.num_steps}: {out / 'checkpoint.pt'} holds the run; "
+              f"rerun the command without --stop-at-step to finish it", flush=True)
+        return 0
     note = write_training_plot({args.variant: out / "train_log.jsonl"}, out / "train_curves.png")
     if note:
         print(note, flush=True)

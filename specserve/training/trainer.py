@@ -23,6 +23,11 @@ over float32 weights, optimizer state and losses (no loss scaling: bfloat16 has 
 Several processes (``torchrun --nproc-per-node N -m specserve.entrypoints.cli train-head ...``)
 train with DistributedDataParallel (over :class:`HeadLoss`, the whole unrolled loss): each rank
 takes every N-th example of the same shuffled order, gradients are averaged, rank 0 logs and saves.
+
+Long runs resume: every ``checkpoint_every`` steps rank 0 writes ``out_dir/checkpoint.pt`` (the
+head's weights, AdamW's state, the step, the data order and random state), and a rerun with the
+same settings on the same data goes on from it, to the same weights bit for bit as a run never
+interrupted. The checkpoint is removed once the head is written.
 """
 from __future__ import annotations
 
@@ -72,6 +77,7 @@ class TrainConfig:
     save_dtype: str = "float16"
     mixed_precision: str = "none"      # "bfloat16": matmuls under torch.autocast, float32 weights and
                                        # optimizer (2.5x the float32 matmul rate on an AVX512-BF16 CPU)
+    checkpoint_every: int = 100        # steps between resumable checkpoints; 0: none
 
     def __post_init__(self) -> None:
         eagle3 = self.variant == "eagle3"
@@ -88,6 +94,8 @@ class TrainConfig:
         for name in ("num_steps", "batch_size", "unroll_steps", "eval_every", "eval_chain", "max_eval_segments"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         for name in ("lr", "max_grad_norm"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -229,6 +237,39 @@ def unigram_top1(train: HiddenStateDataset, val: HiddenStateDataset, vocab_size:
     return hits / max(total, 1)
 
 
+CHECKPOINT_NAME = "checkpoint.pt"
+# settings that leave the weights alone: a checkpoint resumes a run that differs only in these
+_NOT_TRAJECTORY = ("eval_every", "eval_chain", "max_eval_segments", "save_dtype", "checkpoint_every")
+
+
+def _trajectory(cfg: TrainConfig) -> dict:
+    return {k: v for k, v in asdict(cfg).items() if k not in _NOT_TRAJECTORY}
+
+
+def _read_checkpoint(path: Path, cfg: TrainConfig, data: dict) -> dict | None:
+    """The checkpoint at ``path`` if there is one, checked to belong to this run.
+
+    Raises:
+        ValueError: it was written by a run with other settings or other data (names them).
+    """
+    if not path.is_file():
+        return None
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    mine = {**_trajectory(cfg), **data}
+    theirs = {**state["train_config"], **state["data"]}
+    diffs = [f"{k} {theirs.get(k)!r} there, {v!r} now" for k, v in mine.items() if theirs.get(k) != v]
+    if diffs:
+        raise ValueError(f"{path} is the checkpoint of a run with other settings or data ({'; '.join(diffs)}): "
+                         f"delete it to start afresh, or write this run to another folder")
+    return state
+
+
+def _write_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)   # a kill while writing leaves the previous checkpoint whole
+
+
 def _dist_info() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
@@ -240,19 +281,26 @@ def _dist_info() -> tuple[int, int]:
 
 def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_weight: torch.Tensor,
                lm_head_weight: torch.Tensor, cfg: TrainConfig, device: str = "cpu",
-               progress: bool = True) -> tuple[dict, DraftHead]:
-    """Train a head on the hidden states in ``data_dir``; write it to ``out_dir``.
+               progress: bool = True, stop_at_step: int | None = None) -> tuple[dict, DraftHead]:
+    """Train a head on the hidden states in ``data_dir``; write it to ``out_dir``. Resumes from
+    ``out_dir/checkpoint.pt`` when a run with the same settings left one there.
 
     Args:
         target_config: the target's :class:`~specserve.config.ModelConfig` (the head's shape).
         embed_weight, lm_head_weight: the target's ``[V, H]`` embedding and lm_head (frozen).
+        stop_at_step: stop after this many steps (of ``cfg.num_steps``) with a checkpoint and no
+            head written: one piece of a long run; a rerun goes on.
     Returns:
         ``(summary, head)``: the summary (also ``out_dir/train_summary.json``) holds settings,
-        tokens seen, seconds, the unigram baseline and the validation metrics before and after.
-        ``out_dir/train_log.jsonl`` holds a line per logged step.
+        tokens seen, seconds (of all pieces), the steps it resumed at, the unigram baseline and
+        the validation metrics before and after (``complete`` False and no ``val_after`` when
+        stopped at ``stop_at_step``). ``out_dir/train_log.jsonl`` holds a line per step.
     Raises:
-        ValueError: the data was made by another target (hidden size or vocabulary differ).
+        ValueError: the data was made by another target (hidden size or vocabulary differ), or
+            ``out_dir`` holds the checkpoint of a run with other settings or data.
     """
+    if stop_at_step is not None and stop_at_step < 1:
+        raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
     rank, world = _dist_info()
     torch.manual_seed(cfg.seed)
     eagle3 = cfg.variant == "eagle3"
@@ -278,22 +326,49 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr,
                             betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     out = Path(out_dir)
+    data_key = {"target": st["target"], "train_tokens": train.num_tokens, "train_segments": len(train),
+                "val_tokens": val.num_tokens, "world_size": world}
+    state = _read_checkpoint(out / CHECKPOINT_NAME, cfg, data_key)
+    start = 0 if state is None else state["step"]
+    if state is not None:
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
     log_file = None
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        log_file = open(out / "train_log.jsonl", "w")
-    if rank == 0:
+        log_path = out / "train_log.jsonl"
+        kept = []   # the log up to the checkpoint; steps after it are redone
+        if state is not None and log_path.is_file():
+            kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= start]
+        log_file = open(log_path, "w")
+        log_file.writelines(line + "\n" for line in kept)
         per_step = cfg.batch_size * world * train.num_tokens / len(train)
         print(f"training a {cfg.variant} head: {cfg.num_steps} steps x ~{per_step:,.0f} tokens = "
               f"{cfg.num_steps * per_step / train.num_tokens:.1f} epochs of {train.num_tokens:,} training tokens "
-              f"({val.num_tokens:,} validation), {cfg.unroll_steps} unrolled step(s)", flush=True)
+              f"({val.num_tokens:,} validation), {cfg.unroll_steps} unrolled step(s)"
+              + (f"; resuming at step {start}" if start else ""), flush=True)
     baseline = unigram_top1(train, val, target_config.vocab_size)
-    before = evaluate(head, val, cfg, target_to_draft)
+    before = evaluate(head, val, cfg, target_to_draft) if state is None else state["val_before"]
     rng = random.Random(cfg.seed)
     order: list[int] = []
-    tokens_seen, t0 = 0, time.perf_counter()
-    bar = tqdm(range(cfg.num_steps), desc=f"train {cfg.variant} head", disable=not progress or rank != 0)
-    history = []
+    tokens_seen, seconds_before = 0, 0.0
+    resumed_at = []
+    if state is not None:
+        rng.setstate(state["rng"])
+        order, tokens_seen, seconds_before = state["order"], state["tokens_seen"], state["seconds"]
+        resumed_at = state["resumed_at"] + [start]
+    t0 = time.perf_counter()
+    end = cfg.num_steps if stop_at_step is None else min(cfg.num_steps, stop_at_step)
+
+    def checkpoint_state(step: int) -> dict:
+        return {"step": step, "train_config": _trajectory(cfg), "data": data_key, "head": head.state_dict(),
+                "optimizer": opt.state_dict(), "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                "order": order, "tokens_seen": tokens_seen, "seconds": seconds_before + time.perf_counter() - t0,
+                "val_before": before, "resumed_at": resumed_at}
+
+    bar = tqdm(range(start, end), desc=f"train {cfg.variant} head", total=cfg.num_steps, initial=start,
+               disable=not progress or rank != 0)
     for step in bar:
         need = cfg.batch_size * world
         if len(order) < need:
@@ -315,24 +390,31 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
         c = max(stats[0]["count"], 1)
         rec = {"step": step + 1, "lr": lr_at(step, cfg), "loss": loss.item(), "hidden_loss": stats[0]["hidden_loss"] / c,
                "ce": stats[0]["ce"] / c, "top1": stats[0]["top1"] / c, "grad_norm": float(grad_norm),
-               "tokens": tokens_seen, "seconds": time.perf_counter() - t0}   # before this step's evaluation
+               "tokens": tokens_seen, "seconds": seconds_before + time.perf_counter() - t0}   # before the evaluation
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.num_steps:
             rec["val"] = evaluate(head, val, cfg, target_to_draft, max_segments=cfg.max_eval_segments)
-            history.append(rec)
         bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['top1']:.2f}")
         if log_file is not None:
             log_file.write(json.dumps(rec) + "\n")
             log_file.flush()
-    seconds = time.perf_counter() - t0
-    after = evaluate(head, val, cfg, target_to_draft)
+        periodic = cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0
+        if rank == 0 and step + 1 < cfg.num_steps and (periodic or step + 1 == end):
+            _write_checkpoint(out / CHECKPOINT_NAME, checkpoint_state(step + 1))
+    seconds = seconds_before + time.perf_counter() - t0
     summary = {"target": st["target"], "train_config": asdict(cfg), "head_config": asdict(head_cfg),
                "world_size": world, "train_tokens": train.num_tokens, "val_tokens": val.num_tokens,
-               "tokens_seen": tokens_seen, "seconds": seconds, "unigram_top1": baseline,
-               "val_before": before, "val_after": after}
+               "tokens_seen": tokens_seen, "seconds": seconds, "resumed_at": resumed_at,
+               "unigram_top1": baseline, "val_before": before, "complete": end == cfg.num_steps}
+    if end < cfg.num_steps:   # one piece of the run: the checkpoint holds it
+        if log_file is not None:
+            log_file.close()
+        return summary, head
+    summary["val_after"] = evaluate(head, val, cfg, target_to_draft)
     if rank == 0:
         log_file.close()
         head.save(out, dtype=getattr(torch, cfg.save_dtype))
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / CHECKPOINT_NAME).unlink(missing_ok=True)
     if world > 1:
         dist.barrier()
     return summary, head
