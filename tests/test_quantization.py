@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.kernels import cpu_supports_quantized
+from specserve.kernels import build_quant_ops, cpu_has_vnni, cpu_supports_quantized
 from specserve.models.linear import QuantizedLinear, make_linear
-from specserve.models.quantization import (QuantizedTensor, from_gguf, layout_for, pack_int4, quantize,
-                                          quantize_rows_reference, reference_matmul, unpack_int4)
+from specserve.models.quantization import (QuantizedTensor, from_gguf, kernel_order, layout_for, natural_order,
+                                          pack_int4, quantize, quantize_rows_reference, reference_matmul, unpack_int4)
 
 pytestmark = pytest.mark.skipif(not cpu_supports_quantized(), reason="the int8 / int4 kernels need AVX2")
 
@@ -53,8 +53,30 @@ def test_activation_quantization_matches_reference():
     x = _inputs(5, 896)
     xq, dx, bsum = quant_ops().quantize_rows(x)
     ref_q, ref_d = quantize_rows_reference(x)
-    assert torch.equal(xq, ref_q) and torch.equal(dx, ref_d)
-    assert torch.equal(bsum, xq.view(5, -1, 32).sum(-1, dtype=torch.int32))
+    assert torch.equal(xq[:, natural_order(896)], ref_q) and torch.equal(dx, ref_d)   # stored in kernel order
+    assert torch.equal(bsum, ref_q.view(5, -1, 32).sum(-1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("k", [1536, 896, 64, 320])
+def test_kernel_order_transposes_groups_of_four(k):
+    """Hand-checked map: position t*4B + 4b + i holds column 32b + 4t + i in each superblock, and
+    the int4 packing keeps every value (all of it lossless)."""
+    order = kernel_order(k)
+    assert sorted(order.tolist()) == list(range(k)) and torch.equal(order[natural_order(k)], torch.arange(k))
+    if k == 1536:   # whole superblocks: vectors of 32 bytes, byte group b from block b
+        assert order[:12].tolist() == [0, 1, 2, 3, 32, 33, 34, 35, 64, 65, 66, 67]
+        assert order[32:36].tolist() == [4, 5, 6, 7] and order[256:260].tolist() == [256, 257, 258, 259]
+    if k == 896:    # the short last superblock (4 blocks of 32): vectors of 16 bytes
+        assert order[768:776].tolist() == [768, 769, 770, 771, 800, 801, 802, 803]
+        assert order[768 + 16:768 + 20].tolist() == [772, 773, 774, 775]
+    if k == 64:     # 2 blocks: vectors of 8 bytes
+        assert order[:16].tolist() == [0, 1, 2, 3, 32, 33, 34, 35, 4, 5, 6, 7, 36, 37, 38, 39]
+    if k % 64 == 0:
+        q = torch.randint(0, 16, (3, k), dtype=torch.uint8)
+        packed = pack_int4(q)
+        assert torch.equal(unpack_int4(packed), q)
+        width = 4 * (min(256, k) // 32)   # byte 0: low nibble = vector 0's first value, high = vector 1's
+        assert torch.equal(packed[:, 0] & 0x0F, q[:, 0]) and torch.equal(packed[:, 0] >> 4, q[:, order[width]])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS + ["mixed"])
@@ -84,6 +106,27 @@ def test_result_independent_of_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, lin(x))
+
+
+@pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
+@pytest.mark.parametrize("k", [1536, 896])
+def test_vnni_and_avx2_kernels_give_the_same_bits(k):
+    """The VNNI dot product (scales applied per lane after the superblock) and the AVX2 one
+    (scales folded into vpmaddwd) sum the same integers: equal outputs, bit for bit, in whole and
+    short superblocks, for both layouts."""
+    vnni, avx2 = build_quant_ops(vnni=True), build_quant_ops(vnni=False)
+    x = _inputs(7, k)
+    w4, w8 = quantize(_weight(40, k), "int4"), quantize(_weight(40, k, 2), "int8")
+    outs = []
+    for ops in (vnni, avx2):
+        xq, dx, bsum = ops.quantize_rows(x)
+        o4, o8 = torch.empty(7, 40), torch.empty(7, 40)
+        ops.q4_matmul(xq, dx, bsum, w4.qs, w4.sc, w4.mn, w4.d, w4.dmin, None, o4, 0)
+        ops.q8_matmul(xq, dx, w8.qs, w8.sc, w8.d, None, o8, 0)
+        outs.append((xq, o4, o8))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[0][1].abs().max() > 0 and outs[0][2].abs().max() > 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

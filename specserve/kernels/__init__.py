@@ -1,8 +1,9 @@
 """Our own CPU kernels, compiled on first use (``torch.utils.cpp_extension``, cached on disk).
 
 ``quant_linear.cpp`` holds the batch-invariant int8 / int4 linears of
-:mod:`specserve.models.quantization`: AVX2 integer dot products over k-quant weight layouts
-(llama.cpp's Q4_K / Q6_K superblocks) and per-row int8 activations. Why our own kernel and not a
+:mod:`specserve.models.quantization`: integer dot products (AVX2, or AVX-512 VNNI where the CPU
+has it: the same integers, so the same bits) over k-quant weight layouts (llama.cpp's Q4_K / Q6_K
+superblocks, stored in the kernels' order) and per-row int8 activations. Why our own kernel and not a
 library one is recorded in ``docs/quantization.md``.
 
 The first call compiles the extension (about a minute, needs a C++ compiler and ``ninja``) into
@@ -31,6 +32,20 @@ def cpu_supports_quantized() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI with 256-bit vectors (AVX512VL), which the kernels use
+    when present (read from ``/proc/cpuinfo``; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
+    except OSError:
+        pass
+    return False
+
+
 def quant_ops():
     """The compiled extension module (``quantize_rows``, ``q4_matmul``, ``q8_matmul``).
 
@@ -48,21 +63,33 @@ def quant_ops():
             raise KernelUnavailableError(
                 f"quantized linears need an x86 CPU with AVX2; this one reports "
                 f"{torch.backends.cpu.get_cpu_capability()!r} (use quantization 'none')")
-        from torch.utils import cpp_extension
-
-        from specserve.models.loader import default_cache_dir
-
-        source = _SOURCE.read_bytes()
-        key = hashlib.sha256(source + torch.__version__.encode()).hexdigest()[:16]
-        build = Path(default_cache_dir()) / "kernels" / f"quant_linear-{key}"
-        build.mkdir(parents=True, exist_ok=True)
-        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
-        try:
-            _module = cpp_extension.load(name="specserve_quant_linear", sources=[str(_SOURCE)],
-                                         extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                                         build_directory=str(build), verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
-        except Exception as e:  # compiler or ninja missing, build error
-            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            raise KernelUnavailableError(f"cannot build the quantized CPU kernels ({last[:300]}); "
-                                         f"install a C++ compiler and ninja, or use quantization 'none'") from None
+        _module = build_quant_ops(vnni=cpu_has_vnni())
         return _module
+
+
+def build_quant_ops(vnni: bool):
+    """Compile (or load from the on-disk cache) the kernels, with the AVX-512 VNNI dot product or
+    the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI.
+
+    Raises:
+        KernelUnavailableError: the extension does not build (the compiler's last line).
+    """
+    from torch.utils import cpp_extension
+
+    from specserve.models.loader import default_cache_dir
+
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+    if vnni:   # vpdpbusd: one instruction per 32 products instead of three (same integers)
+        flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    build = Path(default_cache_dir()) / "kernels" / f"quant_linear-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    try:   # one module name per variant: a process may load both
+        return cpp_extension.load(name="specserve_quant_linear" + ("_vnni" if vnni else ""), sources=[str(_SOURCE)],
+                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
+                                  verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
+    except Exception as e:  # compiler or ninja missing, build error
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise KernelUnavailableError(f"cannot build the quantized CPU kernels ({last[:300]}); "
+                                     f"install a C++ compiler and ninja, or use quantization 'none'") from None

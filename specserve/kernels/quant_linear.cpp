@@ -7,27 +7,61 @@
 //       int8: w = d[n,s] * sc[n,j] * q, q in -127..127, sc int8, j = k / 16   (Q6_K generalised)
 //   * activations quantized per row and per superblock to int8 (d_x = amax / 127, llama.cpp's Q8_K).
 //
+// Kernel order. Within each superblock of L = 32 * B values (B sub-blocks of 32; B = 8 but in a
+// short last superblock) the int8 activations and the weights are stored transposed in groups of
+// four: position t * 4B + 4b + i holds value 32b + 4t + i (t < 8, b < B, i < 4). Byte group b of
+// every 32-byte vector then belongs to 32-value block b, so one u8 x s8 four-way dot product per
+// vector (vpdpbusd with AVX-512 VNNI; vpmaddubsw + vpmaddwd without) leaves int32 lane b with the
+// sum of block b alone, and the sub-block scales multiply whole lanes once per superblock instead
+// of every pair of products: one multiply instruction per 32 products instead of two. int4 packs
+// two such vectors (t = 2u low nibbles, t = 2u + 1 high nibbles) in 4B bytes.
+// (specserve.models.quantization.kernel_order is the same map in Python.)
+//
 // Integer products are summed exactly in int32 within a superblock, then each superblock adds
-// one float term in a fixed order. Every output element is computed by one thread with the same
-// instruction sequence whatever the number of rows M, the row's place in the batch or the thread
-// count, so a row's result is bitwise independent of what it is multiplied with (speculative
-// verify of k+1 rows == k+1 single-row decodes). Compiled with -ffp-contract=off so the compiler
-// cannot fuse the scalar float operations differently in different loops.
+// one float term per lane in a fixed order. Every output element is computed by one thread with
+// the same instruction sequence whatever the number of rows M, the row's place in the batch or the
+// thread count, so a row's result is bitwise independent of what it is multiplied with
+// (speculative verify of k+1 rows == k+1 single-row decodes); the VNNI and AVX2 dot products give
+// the same integers, so the same bits. Compiled with -ffp-contract=off so the compiler cannot
+// fuse the scalar float operations differently in different loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
 constexpr int64_t kSuper = 256;   // superblock length along k
 constexpr int64_t kRowBlock = 64; // rows processed per pass over a thread's weight rows
 
-// acc + the pairwise int16 products of p and s, in int32 (vpmaddwd + vpaddd). An AVX-512 VNNI
-// build with vpdpwssd fusing the two measured no faster on Zen 4: the multiplies are the limit.
-inline __m256i madd_acc(__m256i acc, __m256i p, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s));
+// The four-way dot product: acc + per int32 lane b, sum_i u[4b+i] * s[4b+i] * scale[b]. With
+// VNNI the scale is applied after the superblock (vpdpbusd, then one multiply per lane:
+// finish_scale); without, vpmaddubsw's int16 pairs are multiplied by the scale in vpmaddwd (whose
+// pair scales are the lane's scale twice: scale16). Either way the same integers: operands never
+// saturate vpmaddubsw (int4: 2 * 15 * 127; int8: 2 * 127 * 127) and the sums stay far below 2^31.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+inline __m256i scale16(__m256i scale32) {   // int32 lanes (|v| < 2^15) -> both int16 halves = v
+  return _mm256_or_si256(_mm256_and_si256(scale32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(scale32, 16));
+}
+
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s, __m256i scale16v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  (void)scale16v;
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16v));
+#endif
+}
+
+inline __m256i finish_scale(__m256i acc, __m256i scale32) {
+  return kVnni ? _mm256_mullo_epi32(acc, scale32) : acc;
 }
 
 inline float hsum8(__m256 v) {
@@ -41,61 +75,77 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// 32 bytes from p, or the first n of them and zeros (a short superblock's narrower vectors).
+__attribute__((always_inline)) inline __m256i load32(const void* p, int64_t n) {
+  if (n == 32) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (n == 16) return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(32) uint8_t tmp[32] = {0};
+  std::memcpy(tmp, p, static_cast<size_t>(n));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+}
+
+// Up to 8 unsigned bytes as int32 lanes (zeros past n).
+__attribute__((always_inline)) inline __m256i lanes_u8(const uint8_t* p, int64_t n) {
+  if (n == 8) return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint8_t tmp[16] = {0};
+  std::memcpy(tmp, p, static_cast<size_t>(n));
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp)));
+}
+
+__attribute__((always_inline)) inline __m256i lanes_i32(const int32_t* p, int64_t n) {
+  if (n == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  alignas(32) int32_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tmp, p, static_cast<size_t>(n) * 4);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+}
+
+// One int4 superblock of rows r0..r0+R-1 against weight row n: isum[r] lane b = block b's integer
+// dot product times its scale. W = 4 * (sub-blocks in this superblock) bytes per vector; called
+// with the literal 32 for full superblocks so that the loads are plain vector loads.
+template <int R>
+__attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, const uint8_t* wq, const int8_t* xs,
+                                                    int64_t K, __m256i scv) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i sc16 = scale16(scv);
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2   // fully unrolled, the reassociated sums spill AVX2's 16 registers
+  for (int64_t u = 0; u < 4; ++u) {
+    const __m256i v = load32(wq + u * W, W);
+    const __m256i lo = _mm256_and_si256(v, m4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xs + r * K + 2 * u * W;
+      isum[r] = dot4(isum[r], lo, load32(xr, W), sc16);
+      isum[r] = dot4(isum[r], hi, load32(xr + W, W), sc16);
+    }
+  }
+  for (int r = 0; r < R; ++r) isum[r] = finish_scale(isum[r], scv);
+}
+
 // One int4 output element block: rows r0..r0+R-1 of the activations against weight row n.
 template <int R>
 inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                     const int32_t* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
                     const float* d, const float* dmin, const float* bias, float* out, int64_t ldo) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256 acc[R], macc[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
-  const uint8_t* wq = qs + n * (K / 2);
-  const uint8_t* wsc = sc + n * (K / 32);
-  const uint8_t* wmn = mn + n * (K / 32);
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t k0 = s * kSuper;
-    const int64_t len = std::min(kSuper, K - k0);
+    const int64_t k0 = s * kSuper, j0 = k0 / 32;
+    const int64_t nsub = std::min(kSuper, K - k0) / 32;
+    const uint8_t* wq = qs + n * (K / 2) + k0 / 2;
+    const int8_t* xs = xq + r0 * K + k0;
+    const __m256i scv = lanes_u8(sc + n * (K / 32) + j0, nsub);
     __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < len / 64; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (k0 + c * 64) / 2));
-      const __m256i lo = _mm256_and_si256(v, m4);
-      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      const int64_t j = (k0 + c * 64) / 32;
-      const __m256i slo = _mm256_set1_epi16(static_cast<int16_t>(wsc[j]));
-      const __m256i shi = _mm256_set1_epi16(static_cast<int16_t>(wsc[j + 1]));
-      for (int r = 0; r < R; ++r) {
-        const int8_t* xr = xq + (r0 + r) * K + k0 + c * 64;
-        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 32));
-        isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(lo, xlo), slo);
-        isum[r] = madd_acc(isum[r], _mm256_maddubs_epi16(hi, xhi), shi);
-      }
-    }
-    // Sub-block mins times the rows' sub-block sums: 8 int32 lanes, one per sub-block (a short
-    // last superblock reads only its own sub-blocks).
-    const int64_t j0 = k0 / 32, nsub = len / 32;
-    __m256i mv;
-    if (nsub == 8) {
-      mv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wmn + j0)));
-    } else {
-      alignas(32) int32_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int64_t j = 0; j < nsub; ++j) tmp[j] = wmn[j0 + j];
-      mv = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
-    }
+    if (nsub == 8) q4_super<R>(isum, 32, wq, xs, K, scv);
+    else q4_super<R>(isum, 4 * nsub, wq, xs, K, scv);
+    // lane b: block b's scaled integer sum (|.| < 32 * 15 * 127 * 255 < 2^24: exact as a float);
+    // the mins times the rows' block sums likewise
+    const __m256i mv = lanes_u8(mn + n * (K / 32) + j0, nsub);
     const float dw = d[n * S + s], dm = dmin[n * S + s];
     for (int r = 0; r < R; ++r) {
       const float ds = dx[(r0 + r) * S + s];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(dw * ds), acc[r]);
-      const int32_t* br = bsum + (r0 + r) * (K / 32) + j0;
-      __m256i bv;
-      if (nsub == 8) {
-        bv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(br));
-      } else {
-        alignas(32) int32_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int64_t j = 0; j < nsub; ++j) tmp[j] = br[j];
-        bv = _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
-      }
+      const __m256i bv = lanes_i32(bsum + (r0 + r) * (K / 32) + j0, nsub);
       macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mv, bv)), _mm256_set1_ps(dm * ds), macc[r]);
     }
   }
@@ -103,32 +153,48 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
   for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = (hsum8(acc[r]) - hsum8(macc[r])) + b;
 }
 
+// One int8 superblock: vector t < 4 holds, in lane b, values of 16-value sub-block 2b, vector
+// t >= 4 of sub-block 2b + 1, so the even scales (se) weigh the first four, the odd (so) the rest.
+template <int R>
+__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* wq, const int8_t* xs,
+                                                    int64_t K, __m256i se, __m256i so) {
+  __m256i ea[R], oa[R];
+  for (int r = 0; r < R; ++r) { ea[r] = _mm256_setzero_si256(); oa[r] = _mm256_setzero_si256(); }
+  const __m256i se16 = scale16(se), so16 = scale16(so);
+  // |w| times x with w's sign: the dot product needs one unsigned operand
+#pragma GCC unroll 2   // as in q4_super
+  for (int64_t t = 0; t < 8; ++t) {
+    const __m256i w = load32(wq + t * W, W);
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_sign_epi8(load32(xs + r * K + t * W, W), w);
+      if (t < 4) ea[r] = dot4(ea[r], aw, x, se16);
+      else oa[r] = dot4(oa[r], aw, x, so16);
+    }
+  }
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se), finish_scale(oa[r], so));
+}
+
+// One int8 output element block: rows r0..r0+R-1 against weight row n.
 template <int R>
 inline void q8_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                     const int8_t* qs, const int8_t* sc, const float* d, const float* bias, float* out,
                     int64_t ldo) {
+  const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const int8_t* wq = qs + n * K;
-  const int8_t* wsc = sc + n * (K / 16);
   for (int64_t s = 0; s < S; ++s) {
     const int64_t k0 = s * kSuper;
-    const int64_t len = std::min(kSuper, K - k0);
+    const int64_t nsub = std::min(kSuper, K - k0) / 32;
+    const __m128i sv = _mm256_castsi256_si128(load32(sc + n * (K / 16) + k0 / 16, 2 * nsub));
+    const __m256i se = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
+    const __m256i so = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
+    const int8_t* wq = qs + n * K + k0;
+    const int8_t* xs = xq + r0 * K + k0;
     __m256i isum[R];
-    for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < len / 32; ++c) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + k0 + c * 32));
-      const __m256i aw = _mm256_sign_epi8(w, w);  // |w|: maddubs needs one unsigned operand
-      const int64_t j = (k0 + c * 32) / 16;
-      const __m256i scv = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(wsc[j + 1])),
-                                           _mm_set1_epi16(static_cast<int16_t>(wsc[j])));
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(xq + (r0 + r) * K + k0 + c * 32));
-        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
-        isum[r] = madd_acc(isum[r], p, scv);
-      }
-    }
+    if (nsub == 8) q8_super<R>(isum, 32, wq, xs, K, se, so);
+    else q8_super<R>(isum, 4 * nsub, wq, xs, K, se, so);
     const float dw = d[n * S + s];
     for (int r = 0; r < R; ++r) {
       const float ds = dx[(r0 + r) * S + s];
@@ -180,7 +246,8 @@ void check_out(const torch::Tensor& out, int64_t M, int64_t col0, int64_t N) {
 
 }  // namespace
 
-// x [M, K] float32 -> (xq int8 [M, K], dx float32 [M, S], bsum int32 [M, K/32]).
+// x [M, K] float32 -> (xq int8 [M, K] in kernel order, dx float32 [M, S], bsum int32 [M, K/32]:
+// each 32-value block's sum).
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
   x = x.contiguous();
@@ -195,24 +262,28 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   float* dp = dx.data_ptr<float>();
   int32_t* bp = bsum.data_ptr<int32_t>();
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    int8_t q[kSuper];
     for (int64_t m = b; m < e; ++m) {
       for (int64_t s = 0; s < S; ++s) {
-        const int64_t k0 = s * kSuper, len = std::min(kSuper, K - k0);
+        const int64_t k0 = s * kSuper, len = std::min(kSuper, K - k0), nsub = len / 32;
         const float* xs = xp + m * K + k0;
         float amax = 0.0f;
         for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(xs[i]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         dp[m * S + s] = amax / 127.0f;
         for (int64_t i = 0; i < len; ++i) {
-          float q = std::nearbyint(xs[i] * inv);
-          q = std::min(127.0f, std::max(-127.0f, q));
-          qp[m * K + k0 + i] = static_cast<int8_t>(q);
+          float v = std::nearbyint(xs[i] * inv);
+          v = std::min(127.0f, std::max(-127.0f, v));
+          q[i] = static_cast<int8_t>(v);
         }
-      }
-      for (int64_t j = 0; j < K / 32; ++j) {
-        int32_t t = 0;
-        for (int i = 0; i < 32; ++i) t += qp[m * K + j * 32 + i];
-        bp[m * (K / 32) + j] = t;
+        for (int64_t j = 0; j < nsub; ++j) {
+          int32_t t = 0;
+          for (int i = 0; i < 32; ++i) t += q[j * 32 + i];
+          bp[m * (K / 32) + k0 / 32 + j] = t;
+        }
+        int8_t* dst = qp + m * K + k0;   // the kernel order: groups of four transposed
+        for (int64_t t = 0; t < 8; ++t)
+          for (int64_t j = 0; j < nsub; ++j) std::memcpy(dst + t * 4 * nsub + 4 * j, q + 32 * j + 4 * t, 4);
       }
     }
   });

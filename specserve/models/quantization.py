@@ -9,6 +9,10 @@ scale, and each superblock into sub-blocks with small integer scales:
 - ``int8``: ``w = d[s] * sc[j] * q``, ``q`` in -127..127, sub-blocks of 16 with int8 ``sc``. A GGUF
   ``Q6_K`` tensor maps onto it exactly.
 
+Both store their integers in the kernels' order (:func:`kernel_order`: within a superblock, groups
+of four values transposed, so each 32-value block fills one int32 lane of a vector); scales, mins
+and :meth:`QuantizedTensor.dequantize` are in the natural column order.
+
 Activations are quantized per row and per superblock to int8 (``d_x = amax / 127``), so a row's
 result never depends on the other rows; the kernels (``specserve/kernels/quant_linear.cpp``) sum
 the integer products exactly and add one float term per superblock in a fixed order, which makes
@@ -23,6 +27,7 @@ file's, and the rest (Q4_*, Q3_K, Q2_K, float) to int4 (:func:`layout_for`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,8 +55,8 @@ class QuantizedTensor:
 
     Attributes (N = out_features, K = in_features, S = ceil(K / 256)):
         layout: ``"int4"`` or ``"int8"``.
-        qs: int4: uint8 ``[N, K / 2]`` (per 64 values: 32 bytes, low nibbles = the first 32 values,
-            high nibbles = the next 32, as in GGUF Q4_K); int8: int8 ``[N, K]``.
+        qs: int4: uint8 ``[N, K / 2]``, two values per byte (:func:`pack_int4`); int8: int8
+            ``[N, K]``; both in the kernels' column order (:func:`kernel_order`).
         sc: int4: uint8 ``[N, K / 32]``; int8: int8 ``[N, K / 16]``.
         mn: int4: uint8 ``[N, K / 32]`` sub-block mins; int8: None.
         d, dmin: float32 ``[N, S]`` superblock scales (``dmin`` int4 only).
@@ -82,7 +87,8 @@ class QuantizedTensor:
         n, k = self.shape
         sup = _expand_superblocks(self.d, k, dtype)  # [N, K]
         if self.layout == "int8":
-            return sup * self.sc.to(dtype).repeat_interleave(16, dim=1) * self.qs.to(dtype)
+            q = self.qs[:, natural_order(k)]
+            return sup * self.sc.to(dtype).repeat_interleave(16, dim=1) * q.to(dtype)
         q = unpack_int4(self.qs).to(dtype)
         sc = self.sc.to(dtype).repeat_interleave(32, dim=1)
         mn = self.mn.to(dtype).repeat_interleave(32, dim=1)
@@ -130,17 +136,68 @@ def _expand_superblocks(v: torch.Tensor, k: int, dtype: torch.dtype = torch.floa
     return v.to(dtype).repeat_interleave(SUPERBLOCK, dim=1)[:, :k]
 
 
+@functools.lru_cache(maxsize=64)
+def kernel_order(k: int) -> torch.Tensor:
+    """``[K]`` int64: the natural column whose value the kernels' layout stores at each position.
+
+    Within a superblock of ``L = 32 * B`` values (B = 8 but in a short last one), position
+    ``t * 4B + 4b + i`` holds column ``32b + 4t + i`` (t < 8, b < B, i < 4): groups of four
+    transposed, so byte group b of every 32-byte vector holds 32-value block b and a four-way
+    integer dot product leaves block b's sum alone in int32 lane b (``quant_linear.cpp``).
+    ``k`` must be a multiple of 32.
+    """
+    parts = []
+    for k0 in range(0, k, SUPERBLOCK):
+        nsub = min(SUPERBLOCK, k - k0) // 32
+        t, b, i = torch.arange(8).view(8, 1, 1), torch.arange(nsub).view(1, nsub, 1), torch.arange(4).view(1, 1, 4)
+        parts.append((k0 + 32 * b + 4 * t + i).reshape(-1))
+    return torch.cat(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def natural_order(k: int) -> torch.Tensor:
+    """``[K]`` int64: the inverse of :func:`kernel_order` (``stored[:, natural_order(k)]`` is in
+    column order)."""
+    return torch.argsort(kernel_order(k))
+
+
+@functools.lru_cache(maxsize=64)
+def _nibble_columns(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The natural columns of each packed int4 byte's low and high nibble, ``([K/2], [K/2])``: in a
+    superblock whose vectors are ``W = L / 8`` bytes, bytes ``u*W .. u*W + W-1`` hold kernel-order
+    vector 2u in their low nibbles and vector 2u + 1 in their high ones."""
+    order, lo, hi = kernel_order(k), [], []
+    for k0 in range(0, k, SUPERBLOCK):
+        n = min(SUPERBLOCK, k - k0)
+        pos = (k0 + torch.arange(n)).view(4, 2, n // 8)
+        lo.append(order[pos[:, 0].reshape(-1)])
+        hi.append(order[pos[:, 1].reshape(-1)])
+    return torch.cat(lo), torch.cat(hi)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 values 0..15 ``[N, K]`` (K % 64 == 0) -> packed ``[N, K / 2]`` (GGUF Q4_K nibble order)."""
-    n, k = q.shape
-    q = q.to(torch.uint8).reshape(n, k // 64, 2, 32)
-    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, k // 2)
+    """uint8 values 0..15 ``[N, K]`` in column order (K % 64 == 0) -> packed ``[N, K / 2]`` in the
+    kernels' order (:func:`kernel_order`, two kernel-order vectors per 32 bytes)."""
+    lo, hi = _nibble_columns(q.shape[1])
+    q = q.to(torch.uint8)
+    return (q[:, lo] | (q[:, hi] << 4)).contiguous()
 
 
 def unpack_int4(qs: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4`: ``[N, K / 2]`` -> uint8 ``[N, K]``."""
+    """Inverse of :func:`pack_int4`: ``[N, K / 2]`` -> uint8 ``[N, K]`` in column order."""
     n, half = qs.shape
-    v = qs.reshape(n, half // 32, 1, 32)
+    lo, hi = _nibble_columns(half * 2)
+    q = torch.empty(n, half * 2, dtype=torch.uint8)
+    q[:, lo] = qs & 0x0F
+    q[:, hi] = qs >> 4
+    return q
+
+
+def _unpack_gguf_q4(qs: np.ndarray) -> torch.Tensor:
+    """GGUF Q4_K's nibbles ``[N, K / 2]`` (per 64 values: 32 bytes, low nibbles the first 32
+    values, high nibbles the next 32) -> uint8 ``[N, K]`` in column order."""
+    n, half = qs.shape
+    v = torch.from_numpy(np.ascontiguousarray(qs)).view(n, half // 32, 1, 32)
     return torch.cat([v & 0x0F, v >> 4], dim=2).reshape(n, half * 2)
 
 
@@ -185,8 +242,8 @@ def quantize(w: torch.Tensor, layout: str, name: str = "weight") -> QuantizedTen
         sc = torch.where(dj > 0, torch.ceil(ideal / torch.where(dj > 0, dj, 1) - 1e-4), 0).clamp(0, 127)
         step = (dj * sc).repeat_interleave(16, dim=1)                       # [N, K]
         q = torch.where(step > 0, torch.round(w / torch.where(step > 0, step, 1)), 0).clamp(-127, 127)
-        return QuantizedTensor("int8", q.to(torch.int8).contiguous(), sc.to(torch.int8).contiguous(), None,
-                               d.contiguous(), None)
+        return QuantizedTensor("int8", q.to(torch.int8)[:, kernel_order(k)].contiguous(), sc.to(torch.int8).contiguous(),
+                               None, d.contiguous(), None)
     if layout != "int4":
         raise ValueError(f"unknown quantization layout {layout!r}")
     blocks = w.reshape(n, k // 32, 32)
@@ -244,9 +301,9 @@ def from_gguf(name: str, raw: np.ndarray, gguf_type: str, shape: tuple[int, int]
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, -1)
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, -1)
         sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
-        qs = blocks[:, 16:144].reshape(n, k // 2)
+        qs = pack_int4(_unpack_gguf_q4(blocks[:, 16:144].reshape(n, k // 2)))   # the file's integers, reordered
         t = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1).astype(dt))
-        return QuantizedTensor("int4", t(qs, np.uint8), t(sc, np.uint8), t(mn, np.uint8), t(d, np.float32),
+        return QuantizedTensor("int4", qs, t(sc, np.uint8), t(mn, np.uint8), t(d, np.float32),
                                t(dmin, np.float32), "Q4_K")
     values = dequantize(raw, getattr(gguf.GGMLQuantizationType, gguf_type)).reshape(n, k)
     if gguf_type == "Q6_K" and layout == "int8" and k % SUPERBLOCK == 0:
@@ -255,7 +312,8 @@ def from_gguf(name: str, raw: np.ndarray, gguf_type: str, shape: tuple[int, int]
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(n, -1)
         step = np.repeat(np.repeat(d, SUPERBLOCK // 16, axis=1) * sc, 16, axis=1)   # [N, K] float32
         q = np.where(step != 0, np.rint(values / np.where(step != 0, step, 1)), 0)
-        return QuantizedTensor("int8", torch.from_numpy(q.astype(np.int8)), torch.from_numpy(sc.copy()), None,
+        qs = torch.from_numpy(q.astype(np.int8))[:, kernel_order(k)].contiguous()
+        return QuantizedTensor("int8", qs, torch.from_numpy(sc.copy()), None,
                                torch.from_numpy(np.ascontiguousarray(d)), None, "Q6_K")
     qt = quantize(torch.from_numpy(np.ascontiguousarray(values)), layout, name)
     qt.source = gguf_type
