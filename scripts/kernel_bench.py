@@ -1,0 +1,76 @@
+"""Time the int4 / int8 kernels of this checkout against those of another commit, side by side.
+
+    python scripts/kernel_bench.py [--against COMMIT] [--threads 2]
+
+Both builds run in one process, alternating per case (median of 5 repeats of max(3, 200 / M) calls,
+activation quantization included), on random weights of the 1.5B target's shapes. The weights'
+integers are random bytes to the timing, so one quantized tensor serves both orders. Prints ms per
+call, old / new. Run it alone: two torch processes on two cores slow each other far more than 2x.
+"""
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from specserve.kernels import quant_ops
+from specserve.models.quantization import quantize
+
+SHAPES = [(8960, 1536), (1536, 8960), (2048, 1536)]
+ROWS = [1, 4, 16, 256]
+
+
+def build_other(commit: str):
+    src = subprocess.run(["git", "show", f"{commit}:specserve/kernels/quant_linear.cpp"], check=True,
+                         capture_output=True, text=True).stdout
+    build = Path(tempfile.mkdtemp(prefix="kernel_bench_"))
+    (build / "quant_linear_other.cpp").write_text(src)
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
+    return cpp_extension.load(name="kernel_bench_other", sources=[str(build / "quant_linear_other.cpp")],
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build))
+
+
+def time_call(ops, layout, q, x, out) -> float:
+    def run():
+        xq, dx, bsum = ops.quantize_rows(x)
+        if layout == "int4":
+            ops.q4_matmul(xq, dx, bsum, q.qs, q.sc, q.mn, q.d, q.dmin, None, out, 0)
+        else:
+            ops.q8_matmul(xq, dx, q.qs, q.sc, q.d, None, out, 0)
+    for _ in range(3):
+        run()
+    reps, times = max(3, 200 // x.shape[0]), []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
+            run()
+        times.append((time.perf_counter() - t) / reps)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", default="31577c4", help="the commit whose kernel is 'old' (default: the GGUF-order kernel)")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    old, new = build_other(args.against), quant_ops()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    print("| weight (N x K) | layout | " + " | ".join(f"M = {m}" for m in ROWS) + " |")
+    for n, k in SHAPES:
+        w = torch.randn(n, k)
+        for layout in ("int4", "int8"):
+            q, cells = quantize(w, layout), []
+            for m in ROWS:
+                x, out = torch.randn(m, k), torch.empty(m, n)
+                t_old, t_new = time_call(old, layout, q, x, out), time_call(new, layout, q, x, out)
+                cells.append(f"{t_old * 1e3:.3g} / {t_new * 1e3:.3g}")
+            print(f"| {n} x {k} | {layout} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
