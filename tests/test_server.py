@@ -64,6 +64,12 @@ def tp(request) -> int:
     return request.param
 
 
+# tp2 runs on the same two cores as its ranks (about twice tp1's time): the tests below whose
+# tensor-parallel case adds nothing to what other tp2 tests here and tests/test_tensor_parallel.py
+# check (seeded sampling at tp2, 64 streams at tp2 with preemption) run unsharded only.
+TP1_ONLY = pytest.mark.parametrize("tp", [1], ids=["tp1"], indirect=True)
+
+
 def _spec_engine(smollm2, tp, adaptive=True, **kw) -> LLMEngine:
     target, draft = smollm2
     spec = {"method": "draft_model", "model": NAME, "num_speculative_tokens": K, "adaptive": adaptive}
@@ -142,8 +148,7 @@ def _stream_completion(c, **kw) -> tuple[str, list, object]:
     return "".join(text), finish, usage
 
 
-@pytest.mark.parametrize("stop", [None, ["\n\n"], ["return", "):"], [" "]])
-def test_stream_equals_non_stream(server, stop):
+def _check_stream_equals_non_stream(server, stop):
     c = client(server)
     for prompt in PROMPTS[:4]:
         kw = dict(model=NAME, prompt=prompt, max_tokens=48, temperature=0, stop=stop)
@@ -154,6 +159,16 @@ def test_stream_equals_non_stream(server, stop):
         assert usage.completion_tokens == full.usage.completion_tokens
         if stop:
             assert not any(s in text for s in stop)
+
+
+def test_stream_equals_non_stream(server):
+    _check_stream_equals_non_stream(server, None)
+
+
+@TP1_ONLY   # stop strings are the leader's detokenizer's, whatever the ranks
+@pytest.mark.parametrize("stop", [["\n\n"], ["return", "):"], [" "]])
+def test_stream_with_stop_equals_non_stream(server, stop):
+    _check_stream_equals_non_stream(server, stop)
 
 
 def test_usage_chunk_only_when_asked(server):
@@ -196,6 +211,7 @@ def test_stop_string_and_finish_reason(server, offline):
     assert r.choices[0].finish_reason == "stop" == want.finish_reason
 
 
+@TP1_ONLY   # seeded sampling at tp2: test_tensor_parallel.py
 def test_seed_reproducible_and_matches_offline(smollm2, tp):
     """Seeded sampling: the same seed gives the same text, as offline with the same (fixed) k.
     (With adaptive k the realization depends on each step's k; the distribution does not.)"""
@@ -378,6 +394,7 @@ def _check_load(server, offline, reqs):
     assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+@TP1_ONLY   # at tp2: the preemption case below
 def test_64_concurrent_streams(server, offline):
     reqs = _load_requests(64)
     _check_load(server, offline, reqs)
