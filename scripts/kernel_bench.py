@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
-from specserve.kernels import quant_ops
+from specserve.kernels import build_quant_ops, cpu_has_vnni, quant_ops
 from specserve.models.quantization import quantize
 
 SHAPES = [(8960, 1536), (1536, 8960), (2048, 1536)]
@@ -27,11 +26,9 @@ ROWS = [1, 4, 16, 256]
 def build_other(commit: str):
     src = subprocess.run(["git", "show", f"{commit}:specserve/kernels/quant_linear.cpp"], check=True,
                          capture_output=True, text=True).stdout
-    build = Path(tempfile.mkdtemp(prefix="kernel_bench_"))
-    (build / "quant_linear_other.cpp").write_text(src)
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
-    return cpp_extension.load(name="kernel_bench_other", sources=[str(build / "quant_linear_other.cpp")],
-                              extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build))
+    path = Path(tempfile.mkdtemp(prefix="kernel_bench_")) / "quant_linear.cpp"
+    path.write_text(src)
+    return build_quant_ops(vnni=cpu_has_vnni(), source=path)
 
 
 def time_call(ops, layout, q, x, out) -> float:

@@ -67,9 +67,10 @@ def quant_ops():
         return _module
 
 
-def build_quant_ops(vnni: bool):
+def build_quant_ops(vnni: bool, source: Path = _SOURCE):
     """Compile (or load from the on-disk cache) the kernels, with the AVX-512 VNNI dot product or
-    the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI.
+    the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``source``:
+    another version of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
 
     Raises:
         KernelUnavailableError: the extension does not build (the compiler's last line).
@@ -81,12 +82,11 @@ def build_quant_ops(vnni: bool):
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
     if vnni:   # vpdpbusd: one instruction per 32 products instead of three (same integers)
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(Path(source).read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
     build = Path(default_cache_dir()) / "kernels" / f"quant_linear-{key}"
     build.mkdir(parents=True, exist_ok=True)
-    try:   # one module name per variant: a process may load both
-        return cpp_extension.load(name="specserve_quant_linear" + ("_vnni" if vnni else ""), sources=[str(_SOURCE)],
+    try:   # one module name per source and flags: a process may load several
+        return cpp_extension.load(name=f"specserve_quant_linear_{key}", sources=[str(source)],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
                                   verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
     except Exception as e:  # compiler or ninja missing, build error

@@ -11,9 +11,9 @@
 // short last superblock) the int8 activations and the weights are stored transposed in groups of
 // four: position t * 4B + 4b + i holds value 32b + 4t + i (t < 8, b < B, i < 4). Byte group b of
 // every 32-byte vector then belongs to 32-value block b, so one u8 x s8 four-way dot product per
-// vector (vpdpbusd with AVX-512 VNNI; vpmaddubsw + vpmaddwd without) leaves int32 lane b with the
-// sum of block b alone, and the sub-block scales multiply whole lanes once per superblock instead
-// of every pair of products: one multiply instruction per 32 products instead of two. int4 packs
+// vector leaves int32 lane b with the sum of block b alone. With AVX-512 VNNI that is one vpdpbusd
+// per 32 products and the sub-block scales multiply whole lanes once per superblock; on AVX2 it is
+// vpmaddubsw, then vpmaddwd by the lane's scale (as before this order existed). int4 packs
 // two such vectors (t = 2u low nibbles, t = 2u + 1 high nibbles) in 4B bytes.
 // (specserve.models.quantization.kernel_order is the same map in Python.)
 //
@@ -41,28 +41,21 @@ constexpr int64_t kRowBlock = 64; // rows processed per pass over a thread's wei
 // finish_scale); without, vpmaddubsw's int16 pairs are multiplied by the scale in vpmaddwd (whose
 // pair scales are the lane's scale twice: scale16). Either way the same integers: operands never
 // saturate vpmaddubsw (int4: 2 * 15 * 127; int8: 2 * 127 * 127) and the sums stay far below 2^31.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kVnni = true;
-#else
-constexpr bool kVnni = false;
-#endif
-
 inline __m256i scale16(__m256i scale32) {   // int32 lanes (|v| < 2^15) -> both int16 halves = v
   return _mm256_or_si256(_mm256_and_si256(scale32, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(scale32, 16));
 }
 
-inline __m256i dot4(__m256i acc, __m256i u, __m256i s, __m256i scale16v) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  (void)scale16v;
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s, __m256i /*scale16v*/) {
   return _mm256_dpbusd_epi32(acc, u, s);
+}
+inline __m256i finish_scale(__m256i acc, __m256i scale32) { return _mm256_mullo_epi32(acc, scale32); }
 #else
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s, __m256i scale16v) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16v));
+}
+inline __m256i finish_scale(__m256i acc, __m256i /*scale32*/) { return acc; }
 #endif
-}
-
-inline __m256i finish_scale(__m256i acc, __m256i scale32) {
-  return kVnni ? _mm256_mullo_epi32(acc, scale32) : acc;
-}
 
 inline float hsum8(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
