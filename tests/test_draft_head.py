@@ -189,6 +189,18 @@ def test_save_and_reload_gives_identical_logits(tmp_path, variant, draft_vocab):
     assert torch.equal(loaded.draft_to_target, head.draft_to_target)
 
 
+def test_saved_head_is_readable_by_others(tmp_path):
+    """safetensors writes mode 0600; a shipped or shared head must get the umask's mode (0644)."""
+    import os
+    old = os.umask(0o022)
+    try:
+        make_head("normed").save(tmp_path, dtype=torch.float32)
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o644, name
+
+
 def _layer_tensors(head: DraftHead, prefix: str) -> dict[str, torch.Tensor]:
     return {prefix + n: t.clone() for n, t in head.state_dict().items()
             if n.startswith(("self_attn.", "mlp.", "input_layernorm", "post_attention_layernorm"))}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -41,7 +42,11 @@ def test_precomputed_hidden_states_equal_hf_forward(tiny_qwen2_dir, tiny_data):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["complete"] and manifest["documents"] == [d for d, _ in docs]
     assert len(manifest["shards"]) > 1
-    shard = load_file(str(out / manifest["shards"][0]["file"]))
+    shard_path = out / manifest["shards"][0]["file"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert shard_path.stat().st_mode & 0o777 == 0o666 & ~umask   # not safetensors' private 0600
+    shard = load_file(str(shard_path))
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2_dir), dtype=torch.float32).eval()
     start = 0
     for n in shard["seq_lens"].tolist()[:3]:

@@ -497,12 +497,12 @@ class DraftHead(nn.Module):
 
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float16) -> Path:
         """Write ``config.json`` and ``model.safetensors`` (EAGLE names, float weights in ``dtype``)."""
-        from safetensors.torch import save_file
+        from specserve.models.loader import save_safetensors
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in self.eagle_state_dict().items()}
-        save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_safetensors(state, out / WEIGHTS_NAME, metadata={"format": "pt"})
         cfg = self.config.to_hf_dict()
         cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
         (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")

@@ -201,6 +201,23 @@ def load_tokenizer(model: str, cache_dir: str | None = None):
 
 # --------------------------------------------------------------------------------------- HF folders
 
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> Path:
+    """Write ``tensors`` to ``path`` as safetensors, readable as any file this process creates.
+
+    safetensors (0.8 here) writes the file with mode 0600 whatever the umask, so a head
+    or a shard written by one user could not be read by another; the mode is reset to what the
+    umask gives a new file (0644 under the usual 022).
+    """
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+    return path
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())

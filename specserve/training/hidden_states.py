@@ -197,13 +197,13 @@ class HiddenStateWriter:
 
     def flush_shard(self) -> None:
         """Write the buffered documents as one shard and list them in the manifest."""
-        from safetensors.torch import save_file
+        from specserve.models.loader import save_safetensors
 
         if not self.buf.num_tokens:
             return
         name = f"shard_{len(self.manifest['shards']):05d}.safetensors"
         tmp = self.out / (name + ".tmp")
-        save_file(self.buf.tensors(), str(tmp))
+        save_safetensors(self.buf.tensors(), tmp)
         os.replace(tmp, self.out / name)
         self.manifest["documents"].extend(self.buf.docs)
         self.done.update(self.buf.docs)
