@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -457,6 +458,24 @@ def test_train_head_flags_take_each_variants_loss_defaults():
     assert parse("--variant", "eagle", "--ce-weight", "0.5").ce_weight == 0.5
     with pytest.raises(ValueError, match="hidden_loss_weight must be 0"):
         parse("--variant", "eagle3", "--hidden-loss-weight", "1")
+
+
+def test_hidden_states_live_in_the_cache_unless_an_old_folder_exists(tmp_path, monkeypatch):
+    from specserve.training.commands import hidden_states_dir
+
+    monkeypatch.setenv("SPECSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    assert hidden_states_dir("elsewhere", "Org/Tgt") == Path("elsewhere")
+    cached = hidden_states_dir(None, "qwen2.5-coder-1.5b-instruct")
+    assert cached == tmp_path / "cache" / "head-data" / "qwen2.5-coder-1.5b-instruct"
+    legacy = Path("head-data") / "qwen2.5-coder-1.5b-instruct"
+    legacy.mkdir(parents=True)
+    assert hidden_states_dir(None, "qwen2.5-coder-1.5b-instruct") == cached      # no manifest: not a folder of ours
+    (legacy / "manifest.json").write_text("{}")
+    assert hidden_states_dir(None, "qwen2.5-coder-1.5b-instruct") == legacy
+    cached.mkdir(parents=True)
+    (cached / "manifest.json").write_text("{}")
+    assert hidden_states_dir(None, "qwen2.5-coder-1.5b-instruct") == cached
 
 
 def test_engine_evaluation_checks_its_prompt_counts_first():

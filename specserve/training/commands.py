@@ -61,7 +61,9 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
                    help="prompts to self-distill per specbench/humaneval corpus (default: all)")
     p.add_argument("--self-distill-tokens", type=int, default=256, help="tokens per self-distilled answer")
     p.add_argument("--data-dir", default=None,
-                   help="precomputed hidden states (default: head-data/<target>; reused and resumed)")
+                   help="precomputed hidden states (default: <cache>/head-data/<target>, beside the converted "
+                        "weights in $SPECSERVE_CACHE or ~/.cache/specserve, so that a fresh checkout resumes "
+                        "them; reused and resumed)")
     p.add_argument("--out", default=None, help="the head's folder (default: heads/<target>-<variant>)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per precomputed segment")
     p.add_argument("--top-k", type=int, default=20, help="next-token probabilities stored per position")
@@ -137,6 +139,24 @@ def _aux_layers(value: str, variant: str, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def hidden_states_dir(data_dir: str | None, target: str) -> Path:
+    """The folder of a target's precomputed hidden states: ``data_dir`` if given, else
+    ``<cache>/head-data/<target>`` (``$SPECSERVE_CACHE`` or ``~/.cache/specserve``), which outlives a
+    checkout as the converted weights do. A folder at the old default, ``./head-data/<target>``, is
+    used while the cache has none (hours of precomputation are not started over)."""
+    from specserve.models.loader import default_cache_dir
+    from specserve.training.hidden_states import MANIFEST
+
+    if data_dir is not None:
+        return Path(data_dir)
+    cached = Path(default_cache_dir()) / "head-data" / _slug(target)
+    legacy = Path("head-data") / _slug(target)
+    if (legacy / MANIFEST).exists() and not (cached / MANIFEST).exists():
+        print(f"hidden states: using {legacy}, the old default folder (move it to {cached})", flush=True)
+        return legacy
+    return cached
+
+
 def run_train_head(args: argparse.Namespace) -> int:
     from specserve.entrypoints.llm import LLM
     from specserve.models.loader import load_model
@@ -151,7 +171,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     cfg = train_config(args)
     if not 0 <= args.eval_prompts <= HUMANEVAL_EVAL_PROMPTS:   # checked now, not after the training
         raise ValueError(f"--eval-prompts must be in [0, {HUMANEVAL_EVAL_PROMPTS}], got {args.eval_prompts}")
-    data_dir = Path(args.data_dir or Path("head-data") / _slug(args.target))
+    data_dir = hidden_states_dir(args.data_dir, args.target)
     out = Path(args.out or Path("heads") / f"{_slug(args.target)}-{args.variant}")
     corpus_spec = {"corpora": corpora, "max_corpus_tokens": args.max_corpus_tokens,
                    "self_distill_docs": args.self_distill_docs, "self_distill_tokens": args.self_distill_tokens}
