@@ -38,3 +38,19 @@ def test_qwen_pair_greedy_speculation_is_exact():
     assert got == want
     stats = spec.llm_engine.spec_stats
     assert stats.mean_acceptance_length > 1.5, stats.as_dict()
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_shipped_head_on_the_int4_target_is_exact(method):
+    """The head that ships with the 1.5B target (taken when no draft ``model`` is given) drafts on
+    the int4 target as served; greedy output equals the int4 target's own, the three prompts batched."""
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(TARGET, quantization="int4")
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+    del plain
+    gc.collect()
+    spec = LLM(TARGET, quantization="int4", speculative_config={"method": method, "num_speculative_tokens": 3})
+    assert spec.llm_engine.spec_config.model == f"{TARGET}-head"
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
+    assert got == want
+    assert spec.llm_engine.spec_stats.num_verify_steps > 0
