@@ -27,14 +27,22 @@ pytestmark = [
 ]
 
 
-def test_qwen_pair_greedy_speculation_is_exact():
-    params = SamplingParams(temperature=0, max_tokens=32)
-    plain = LLM(TARGET)
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+def plain_greedy(**kwargs) -> list[list[int]]:
+    """The target's greedy output of PROMPTS without speculation (the engine freed after)."""
+    plain = LLM(TARGET, **kwargs)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     del plain
     gc.collect()
+    return want
+
+
+def test_qwen_pair_greedy_speculation_is_exact():
+    want = plain_greedy()
     spec = LLM(TARGET, speculative_config={"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4})
-    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, GREEDY)]
     assert got == want
     stats = spec.llm_engine.spec_stats
     assert stats.mean_acceptance_length > 1.5, stats.as_dict()
@@ -44,13 +52,9 @@ def test_qwen_pair_greedy_speculation_is_exact():
 def test_shipped_head_on_the_int4_target_is_exact(method):
     """The head that ships with the 1.5B target (taken when no draft ``model`` is given) drafts on
     the int4 target as served; greedy output equals the int4 target's own, the three prompts batched."""
-    params = SamplingParams(temperature=0, max_tokens=32)
-    plain = LLM(TARGET, quantization="int4")
-    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
-    del plain
-    gc.collect()
+    want = plain_greedy(quantization="int4")
     spec = LLM(TARGET, quantization="int4", speculative_config={"method": method, "num_speculative_tokens": 3})
     assert spec.llm_engine.spec_config.model == f"{TARGET}-head"
-    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, GREEDY)]
     assert got == want
     assert spec.llm_engine.spec_stats.num_verify_steps > 0
