@@ -353,6 +353,19 @@ def test_self_distilled_documents_are_cached_for_a_rerun(tmp_path):
     cache.write_text(lines[0] + "\n" + lines[1][:10])
     more = collect_documents(StubLLM(), ["humaneval"], 0, 5, 5, cache_dir=tmp_path)
     assert calls == [3, 3, 4] and len(more) == 5 and dict(more)["humaneval/40"] == docs["humaneval/40"]
+    # answers made elsewhere (a committed .jsonl.gz): only the prompts they miss are generated
+    import gzip
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "selfdistill_humaneval_4tok.jsonl.gz").write_bytes(gzip.compress(
+        "".join(json.dumps({"doc_id": f"humaneval/{40 + i}", "token_ids": [9, i]}) + "\n" for i in range(3)).encode()))
+    fresh = tmp_path / "fresh"
+    got = dict(collect_documents(StubLLM(), ["humaneval"], 0, 4, 4, cache_dir=fresh, answers_dir=shipped))
+    assert calls == [3, 3, 4, 1]
+    assert got["humaneval/42"] == [9, 2] and got["humaneval/43"] == [0, 1, 7, 7, 7, 7]
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        collect_documents(StubLLM(), ["humaneval"], 0, 4, 4, cache_dir=fresh, answers_dir=tmp_path / "nowhere")
 
 
 def test_training_plot_from_logs(tmp_path):

@@ -60,6 +60,11 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--self-distill-docs", type=int, default=None,
                    help="prompts to self-distill per specbench/humaneval corpus (default: all)")
     p.add_argument("--self-distill-tokens", type=int, default=256, help="tokens per self-distilled answer")
+    p.add_argument("--self-distill-answers", default=None, metavar="DIR",
+                   help="a folder of answers made before (selfdistill_<corpus>_<tokens>tok.jsonl[.gz], e.g. "
+                        "specserve/data/self_distill/<target>): those prompts are prefilled, not generated again")
+    p.add_argument("--self-distill-batch", type=int, default=32,
+                   help="prompts the target answers together (one batch, and what an interruption loses at most)")
     p.add_argument("--data-dir", default=None,
                    help="precomputed hidden states (default: <cache>/head-data/<target>, beside the converted "
                         "weights in $SPECSERVE_CACHE or ~/.cache/specserve, so that a fresh checkout resumes "
@@ -95,14 +100,22 @@ def _slug(name: str) -> str:
 
 def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_distill_docs: int | None,
                       self_distill_tokens: int, cache_dir: Path | None = None,
-                      capture=None) -> list[tuple[str, list[int]]]:
+                      capture=None, self_distill_batch: int = 32,
+                      answers_dir: str | Path | None = None) -> list[tuple[str, list[int]]]:
     """Every document of the chosen corpora, tokenized, interleaved in a stable order (any prefix
     mixes the corpora). ``max_corpus_tokens`` bounds each source-code corpus. Self-distilled
     documents (the slow part: the target generates them) are appended to a file in ``cache_dir``
     as they are made and reused by a rerun with the same settings; with ``capture`` (``(folder,
-    PrecomputeSettings)``) their hidden states are kept while they are generated."""
+    PrecomputeSettings)``) their hidden states are kept while they are generated. ``answers_dir``
+    holds answers made before (``selfdistill_<corpus>_<tokens>tok.jsonl`` or ``.jsonl.gz``), reused
+    for the prompts they cover.
+
+    Raises:
+        FileNotFoundError: ``answers_dir`` is not a folder."""
     from specserve.training.corpus import SOURCE_CORPORA, interleave, self_distill_documents, source_documents
 
+    if answers_dir is not None and not Path(answers_dir).is_dir():
+        raise FileNotFoundError(f"--self-distill-answers: no folder {str(answers_dir)!r}")
     docs = []
     for c in corpora:
         if c in SOURCE_CORPORA:
@@ -111,7 +124,15 @@ def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_dist
         cache = None
         if cache_dir is not None:
             cache = Path(cache_dir) / f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"
-        docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs, cache=cache, capture=capture)
+        answers = None
+        if answers_dir is not None:
+            name = f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"
+            found = [f for f in (Path(answers_dir) / (name + ".gz"), Path(answers_dir) / name) if f.is_file()]
+            answers = found[0] if found else None
+            print(f"self-distillation ({c}): " + (f"reusing the answers in {answers}" if answers else
+                                                  f"no {name}[.gz] in {answers_dir}: generating"), flush=True)
+        docs += self_distill_documents(llm, c, self_distill_tokens, self_distill_docs, cache=cache, capture=capture,
+                                       chunk=self_distill_batch, answers=answers)
     return interleave(docs)
 
 
@@ -187,13 +208,18 @@ def run_train_head(args: argparse.Namespace) -> int:
         print(f"hidden states: reusing {data_dir} ({sum(s['num_tokens'] for s in manifest['shards']):,} tokens)",
               flush=True)
     else:
-        llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None, device=args.device))
+        if args.self_distill_batch < 1:
+            raise ValueError(f"--self-distill-batch must be >= 1, got {args.self_distill_batch}")
+        batch = args.self_distill_batch   # room for the whole batch's pages (the default pool holds 32 answers)
+        llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None, device=args.device,
+                                               max_num_seqs=max(64, batch), kv_cache_memory_gb=max(2.0, batch / 16)))
         mc = llm.llm_engine.model_config
         settings = PrecomputeSettings(args.target, mc.hidden_size, mc.vocab_size, args.seq_len, args.top_k,
                                      quantization=args.quantization,
                                      aux_layers=_aux_layers(args.aux_layers, args.variant, mc.num_hidden_layers))
         docs = collect_documents(llm, corpora, args.max_corpus_tokens, args.self_distill_docs, args.self_distill_tokens,
-                                 cache_dir=data_dir, capture=(data_dir, settings))
+                                 cache_dir=data_dir, capture=(data_dir, settings), self_distill_batch=batch,
+                                 answers_dir=args.self_distill_answers)
         precompute_hidden_states(llm.llm_engine, docs, data_dir, settings,
                                  total_tokens=sum(len(ids) for _, ids in docs), corpus=corpus_spec)
         del llm

@@ -18,6 +18,7 @@ order or number of documents and a document never straddles train and validation
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import sysconfig
@@ -152,9 +153,24 @@ def self_distill_prompts(llm, corpus: str) -> list[tuple[str, str]]:
     raise ValueError(f"self-distillation corpus must be 'specbench' or 'humaneval', got {corpus!r}")
 
 
+def read_answers(path: str | Path) -> dict[str, list[int]]:
+    """``{doc_id: prompt + answer token ids}`` of a self-distillation ``.jsonl`` (or ``.jsonl.gz``)
+    file, one ``{"doc_id", "token_ids"}`` object a line; a line cut by an interruption is skipped."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    out = {}
+    for line in text.splitlines():
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        out[d["doc_id"]] = d["token_ids"]
+    return out
+
+
 def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_docs: int | None = None,
                            use_tqdm: bool = True, cache: str | Path | None = None,
-                           chunk: int = 32, capture=None) -> list[Document]:
+                           chunk: int = 32, capture=None, answers: str | Path | None = None) -> list[Document]:
     """Documents of prompt + the target's own greedy answer, generated through ``llm`` (an ``LLM``).
 
     Args:
@@ -167,22 +183,22 @@ def self_distill_documents(llm, corpus: str, max_tokens_per_doc: int = 256, max_
         capture: ``(folder, PrecomputeSettings)``: keep the target's hidden states of every
             position while generating, in that folder
             (:func:`~specserve.training.hidden_states.generate_with_hidden_states`): no second pass.
+        answers: a ``.jsonl`` or ``.jsonl.gz`` file of answers made before (another machine, the
+            ones committed under ``specserve/data/self_distill``), read only: its prompts are not
+            generated again (their hidden states then come from a prefill).
     Raises:
-        ValueError: an unknown corpus.
+        ValueError: an unknown corpus. FileNotFoundError: ``answers`` does not exist.
     """
     from specserve.sampling_params import SamplingParams
 
     items = self_distill_prompts(llm, corpus)
     items = items[:max_docs] if max_docs is not None else items
-    have: dict[str, list[int]] = {}
     cache = Path(cache) if cache is not None else None
+    if answers is not None and not Path(answers).is_file():
+        raise FileNotFoundError(f"no self-distilled answers file {str(answers)!r}")
+    have = read_answers(answers) if answers is not None else {}
     if cache is not None and cache.is_file():
-        for line in cache.read_text().splitlines():
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError:   # a line cut by an interruption
-                continue
-            have[d["doc_id"]] = d["token_ids"]
+        have.update(read_answers(cache))
     todo = [it for it in items if it[0] not in have]
     params = SamplingParams(temperature=0, max_tokens=max_tokens_per_doc)
     if todo:
