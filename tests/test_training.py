@@ -498,3 +498,26 @@ def test_engine_evaluation_checks_its_prompt_counts_first():
         _eval("no-such-target", "no-such-head", 10, 4, 64, "float32", num_specbench=49)
     with pytest.raises(ValueError, match=r"must be in \[1, 40\]"):
         _eval("no-such-target", "no-such-head", 41, 4, 64, "float32")
+
+
+def test_shipped_self_distilled_answers_are_training_prompts_only():
+    """The committed answers of the 1.5B target cover its training prompts and none held out for
+    evaluation (HumanEval 0-39, every 10th Spec-Bench question): a head trained on them is
+    evaluated on text it never saw."""
+    from pathlib import Path
+
+    import specserve
+    from specserve.training.corpus import HUMANEVAL_EVAL_PROMPTS, read_answers, spec_bench_eval_questions, \
+        spec_bench_train_questions
+
+    folder = Path(specserve.__file__).parent / "data" / "self_distill" / "qwen2.5-coder-1.5b-instruct"
+    info = json.loads((folder / "generation.json").read_text())
+    humaneval = read_answers(folder / "selfdistill_humaneval_256tok.jsonl.gz")
+    specbench = read_answers(folder / "selfdistill_specbench_256tok.jsonl.gz")
+    assert sorted(humaneval) == sorted(f"humaneval/{i}" for i in range(HUMANEVAL_EVAL_PROMPTS, 164))
+    assert sorted(specbench) == sorted(f"specbench/{qid}" for qid, _ in spec_bench_train_questions())
+    assert not set(specbench) & {f"specbench/{qid}" for qid, _ in spec_bench_eval_questions()}
+    assert info["documents"] == {"humaneval": len(humaneval), "specbench": len(specbench)}
+    assert info["tokens"] == {"humaneval": sum(map(len, humaneval.values())),
+                              "specbench": sum(map(len, specbench.values()))}
+    assert all(0 <= t < 151936 for ids in specbench.values() for t in ids)   # Qwen2.5's vocabulary
