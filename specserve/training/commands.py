@@ -121,12 +121,10 @@ def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_dist
         if c in SOURCE_CORPORA:
             docs += list(source_documents(llm.get_tokenizer(), c, max_tokens=max_corpus_tokens))
             continue
-        cache = None
-        if cache_dir is not None:
-            cache = Path(cache_dir) / f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"
+        name = f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"   # the cache's and the shipped files' name
+        cache = Path(cache_dir) / name if cache_dir is not None else None
         answers = None
         if answers_dir is not None:
-            name = f"selfdistill_{c}_{self_distill_tokens}tok.jsonl"
             found = [f for f in (Path(answers_dir) / (name + ".gz"), Path(answers_dir) / name) if f.is_file()]
             answers = found[0] if found else None
             print(f"self-distillation ({c}): " + (f"reusing the answers in {answers}" if answers else
@@ -210,7 +208,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     else:
         if args.self_distill_batch < 1:
             raise ValueError(f"--self-distill-batch must be >= 1, got {args.self_distill_batch}")
-        batch = args.self_distill_batch   # room for the whole batch's pages (the default pool holds 32 answers)
+        batch = args.self_distill_batch   # the default 2 GB page pool per 32 answers, so a whole batch fits
         llm = LLM.from_engine_args(engine_args(args, model=args.target, speculative_config=None, device=args.device,
                                                max_num_seqs=max(64, batch), kv_cache_memory_gb=max(2.0, batch / 16)))
         mc = llm.llm_engine.model_config
