@@ -202,6 +202,40 @@ def test_bfloat16_mixed_precision_matches_float32_closely(tiny_qwen2_dir, tiny_d
         TrainConfig(mixed_precision="float16")
 
 
+def test_padding_a_batch_to_a_length_multiple_leaves_the_loss_unchanged(tiny_qwen2_dir, tiny_data):
+    """``length_multiple`` pads a batch past its longest segment with masked rows: the shape is a
+    multiple, the padding is masked out, and the loss and gradient (float32, eager) equal the
+    unpadded batch's to rounding."""
+    from specserve.models.draft_head import DraftHead, DraftHeadConfig
+    from specserve.training.trainer import head_losses
+
+    out, _ = tiny_data
+    loaded = load_model(str(tiny_qwen2_dir))
+    w = loaded.weights
+    data = HiddenStateDataset(out, "train", 0.2, load_aux=True)
+    idx = [0, 1, 2]
+    plain, padded = data.batch(idx), data.batch(idx, 48)
+    t = plain.input_ids.shape[1]
+    assert padded.input_ids.shape[1] == -(-t // 48) * 48 > t
+    assert padded.mask[:, t:].sum() == 0 and torch.equal(padded.mask[:, :t], plain.mask)
+    assert torch.equal(padded.hidden_states[:, :t], plain.hidden_states)
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(loaded.config, "eagle3", aux_hidden_state_layers=(0, 2)))
+    head.attach_target(w["model.embed_tokens.weight"], w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+    cfg = TrainConfig(variant="eagle3", unroll_steps=3)
+    results = []
+    for batch in (plain, padded):
+        head.zero_grad()
+        loss, _ = head_losses(head, batch, cfg, head.target_to_draft())
+        loss.backward()
+        results.append((loss.detach(), torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None])))
+    (l1, g1), (l2, g2) = results
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g2, g1, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="length_multiple must be >= 1, got 0"):
+        TrainConfig(length_multiple=0)
+
+
 def test_aux_layer_flag():
     from specserve.training.commands import _aux_layers
 
@@ -256,11 +290,11 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_qwen2_dir, tiny_d
     calls = {"n": 0}
     real_batch = HiddenStateDataset.batch
 
-    def dies_at_step_14(self, idx):   # a kill: after the step-8 checkpoint, before the step-16 one
+    def dies_at_step_14(self, idx, *args):   # a kill: after the step-8 checkpoint, before the step-16 one
         calls["n"] += 1
         if calls["n"] == 14 - 5 + 1:
             raise KeyboardInterrupt
-        return real_batch(self, idx)
+        return real_batch(self, idx, *args)
 
     monkeypatch.setattr(HiddenStateDataset, "batch", dies_at_step_14)
     with pytest.raises(KeyboardInterrupt):

@@ -35,6 +35,8 @@ TRAIN_FLAGS = [
     ("val_fraction", float, "share of documents held out"), ("eval_every", int, "steps between evaluations"),
     ("seed", int, "random seed"), ("save_dtype", str, "float16 | bfloat16 | float32"),
     ("mixed_precision", str, "none | bfloat16: the training matmuls in bfloat16 under autocast"),
+    ("length_multiple", int, "pad each batch's length to a multiple of this (few distinct shapes keep "
+                             "oneDNN's primitive cache, and so memory, from growing)"),
     ("checkpoint_every", int, "steps between resumable checkpoints (out/checkpoint.pt; a rerun of the same "
                               "command goes on from the last one); 0: none")]
 

@@ -116,9 +116,12 @@ class HiddenStateDataset:
     def __len__(self) -> int:
         return len(self.segments)
 
-    def batch(self, indices: list[int]) -> Batch:
+    def batch(self, indices: list[int], pad_multiple: int = 1) -> Batch:
+        """The segments ``indices`` padded (``mask`` False) to the longest, rounded up to a multiple
+        of ``pad_multiple``: few distinct shapes keep oneDNN's per-shape primitive cache small."""
         segs = [self.segments[i] for i in indices]
         b, t = len(segs), max(s["input_ids"].shape[0] for s in segs)
+        t = -(-t // pad_multiple) * pad_multiple
         h, k = segs[0]["hidden_states"].shape[1], segs[0]["topk_ids"].shape[1]
         aux = "aux_hidden_states" in segs[0]
         out = Batch(torch.zeros(b, t, h), torch.zeros(b, t, dtype=torch.int64),
