@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from specserve.models.loader import load_model
 from specserve.training.corpus import is_validation, stdlib_documents
 from specserve.training.dataset import HiddenStateDataset, frequent_token_vocab
 from specserve.training.hidden_states import PrecomputeSettings, bytes_per_token, precompute_hidden_states
-from specserve.training.trainer import TrainConfig, lr_at, train_head
+from specserve.training.trainer import TrainConfig, lr_at, return_freed_memory_to_the_os, train_head
 
 
 def _settings(llm, **kw):
@@ -200,6 +201,33 @@ def test_bfloat16_mixed_precision_matches_float32_closely(tiny_qwen2_dir, tiny_d
     assert torch.nn.functional.cosine_similarity(g16, g32, dim=0) > 0.99
     with pytest.raises(ValueError, match="mixed_precision"):
         TrainConfig(mixed_precision="float16")
+
+
+_MALLOC_PROBE = """
+import ctypes, ctypes.util
+from specserve.training.trainer import return_freed_memory_to_the_os
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = MallInfo2
+def mapped(n):   # glibc marks a chunk served by its own mapping with bit 2 of the size word before it
+    p = libc.malloc(n); bit = ctypes.c_size_t.from_address(p - 8).value & 2; libc.free(p); return bool(bit)
+libc.free(libc.malloc(30 << 20))   # freeing a mapped 30 MiB block raises the dynamic threshold to 30 MiB
+before = mapped(8 << 20)
+ok = return_freed_memory_to_the_os()
+print(before, ok, mapped(libc.mallinfo2().fordblks + (1 << 20)))   # more than the heap holds free, < 30 MiB
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_the_trainer_serves_large_blocks_by_mappings_returned_when_freed():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MALLOC_PROBE], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", "True"]
 
 
 def test_padding_a_batch_to_a_length_multiple_leaves_the_loss_unchanged(tiny_qwen2_dir, tiny_data):

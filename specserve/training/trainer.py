@@ -274,6 +274,31 @@ def _write_checkpoint(path: Path, state: dict) -> None:
     os.replace(tmp, path)   # a kill while writing leaves the previous checkpoint whole
 
 
+def return_freed_memory_to_the_os(threshold: int = 64 * 1024) -> bool:
+    """Serve host allocations of ``threshold`` bytes or more with their own mappings, unmapped when
+    freed, and trim the heap top past it (glibc's ``mallopt`` ``M_MMAP_THRESHOLD`` and
+    ``M_TRIM_THRESHOLD``; what ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set).
+
+    Why: by default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB),
+    after which a training step's activations of a few MiB come from the heap, whose free pieces of
+    varying sizes it never returns. The 4-epoch 500k-token run of BENCHMARKS.md grew its resident
+    memory ~0.7 GB/min to 19 GB (of 23) by step 900; with these settings it stayed near 5 GB.
+
+    Returns:
+        True when both were set; False where the C library has no ``mallopt`` (not glibc).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3   # <malloc.h>
+    return bool(mallopt(m_mmap_threshold, threshold)) and bool(mallopt(m_trim_threshold, threshold))
+
+
 def _dist_info() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
@@ -306,6 +331,7 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     if stop_at_step is not None and stop_at_step < 1:
         raise ValueError(f"stop_at_step must be >= 1, got {stop_at_step}")
     rank, world = _dist_info()
+    return_freed_memory_to_the_os()   # before the data: a long run's heap otherwise only grows
     torch.manual_seed(cfg.seed)
     eagle3 = cfg.variant == "eagle3"
     train = HiddenStateDataset(data_dir, "train", cfg.val_fraction, cfg.max_train_tokens, load_aux=eagle3)
