@@ -10,7 +10,8 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.models.draft_head import DraftHead, DraftHeadConfig, PagedKV
 from specserve.models.loader import load_model
 from specserve.sampling_params import SamplingParams
-from specserve.training.evaluate import chain_accuracy, conditional_acceptance, evaluate_head_in_engine
+from specserve.training.evaluate import (acceptance_length_stderr, chain_accuracy, conditional_acceptance,
+                                         evaluate_head_in_engine)
 
 PROMPTS = [list(range(3, 3 + n)) for n in (1, 5, 17, 40, 90, 7, 33, 64)]
 
@@ -129,6 +130,20 @@ def test_trained_head_is_accepted_more_often_than_an_untrained_one(tiny_qwen2_di
     # hidden state: measured 0.09 (normed 0.25), against 0.004 untrained
     floor = 0.1 if variant == "normed" else 0.05
     assert rates["trained"] > floor and rates["trained"] > 3 * rates["untrained"], rates
+
+
+def test_acceptance_length_stderr_equals_the_spread_of_enumerated_steps():
+    """Ten steps accepting 0,0,0,0,1,1,2,2,2,3 drafts (k = 3): the chain accuracies they give and the
+    standard error of their mean computed directly from the list."""
+    import statistics
+
+    accepted = [0, 0, 0, 0, 1, 1, 2, 2, 2, 3]
+    chain = chain_accuracy([sum(m >= j for m in accepted) for j in (1, 2, 3)], [10, 10, 10])
+    assert chain == pytest.approx([0.6, 0.4, 0.1])
+    expected = (statistics.pvariance(accepted) / len(accepted)) ** 0.5   # 0.3302
+    assert acceptance_length_stderr(chain, 10) == pytest.approx(expected)
+    assert acceptance_length_stderr([1.0, 1.0, 1.0], 50) == 0.0   # every step accepts all: no spread
+    assert acceptance_length_stderr(chain, 0) is None
 
 
 def test_chain_accuracy_hand_case():

@@ -277,7 +277,9 @@ def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dty
                                      draft_quantization=draft_quantization)
     result["num_specbench_prompts"] = num_specbench
     print(f"engine evaluation ({num_prompts} held-out HumanEval prompts + {num_specbench} Spec-Bench, k={k}, greedy, "
-          f"target {quantization}, head {result['draft_quantization']}): acceptance length {result['acceptance_length']:.3f}, top-1 {result['top1']:.3f}, "
+          f"target {quantization}, head {result['draft_quantization']}): acceptance length "
+          f"{result['acceptance_length']:.3f} +- {result['acceptance_length_stderr']:.3f} "
+          f"({result['num_verify_steps']} steps), top-1 {result['top1']:.3f}, "
           f"chain accuracy {[round(x, 3) for x in result['chain_accuracy']]}", flush=True)
     return result
 

@@ -23,6 +23,22 @@ def conditional_acceptance(chain: list[float]) -> list[float]:
     return [c / prev if prev else 0.0 for c, prev in zip(chain, [1.0] + chain[:-1])]
 
 
+def acceptance_length_stderr(chain: list[float], num_steps: int) -> float | None:
+    """Standard error of the mean acceptance length over ``num_steps`` verification steps, from
+    the chain accuracies ``P(the first j drafts all accepted)``, j = 1..k.
+
+    A step accepts ``m`` drafts with ``P(m >= j) = chain[j-1]``, so ``E[m] = sum_j chain[j-1]`` and
+    ``E[m^2] = sum_j (2j - 1) chain[j-1]``; the standard error is ``sqrt(Var(m) / num_steps)``. Steps
+    are treated as independent: those of one prompt are correlated, so this is a lower bound.
+    Returns None without steps.
+    """
+    if num_steps <= 0:
+        return None
+    mean = sum(chain)
+    second = sum((2 * j - 1) * c for j, c in enumerate(chain, start=1))
+    return max(second - mean * mean, 0.0) ** 0.5 / num_steps ** 0.5
+
+
 def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_speculative_tokens: int = 4,
                             max_tokens: int = 64, dtype: str = "float32", llm=None,
                             quantization: str = "none", draft_quantization: str | None = None) -> dict:
@@ -36,7 +52,7 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
         quantization: the target's (a head trained on the int4 target's features drafts for it).
         draft_quantization: the head's linears (None: the target's, as served; "none": float).
     Returns:
-        ``{"acceptance_length", "top1", "per_position_acceptance", "chain_accuracy", "num_verify_steps",
+        ``{"acceptance_length", "acceptance_length_stderr", "top1", "per_position_acceptance", "chain_accuracy", "num_verify_steps",
         "num_draft_tokens", "num_accepted_tokens", "output_tokens"}``.
     """
     from specserve.entrypoints.llm import LLM
@@ -52,6 +68,7 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
     chain = chain_accuracy(st.accepted_per_position, st.drafted_per_position)
     per_pos = conditional_acceptance(chain)
     return {"acceptance_length": 1 + st.num_accepted_tokens / steps if steps else None,
+            "acceptance_length_stderr": acceptance_length_stderr(chain, steps),
             "top1": chain[0] if chain else None, "per_position_acceptance": per_pos, "chain_accuracy": chain,
             "num_verify_steps": steps, "num_draft_tokens": st.num_draft_tokens,
             "num_accepted_tokens": st.num_accepted_tokens,
