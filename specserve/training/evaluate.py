@@ -52,8 +52,8 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
         quantization: the target's (a head trained on the int4 target's features drafts for it).
         draft_quantization: the head's linears (None: the target's, as served; "none": float).
     Returns:
-        ``{"acceptance_length", "acceptance_length_stderr", "top1", "per_position_acceptance", "chain_accuracy", "num_verify_steps",
-        "num_draft_tokens", "num_accepted_tokens", "output_tokens"}``.
+        ``{"acceptance_length", "acceptance_length_stderr", "top1", "per_position_acceptance",
+        "chain_accuracy", "num_verify_steps", "num_draft_tokens", "num_accepted_tokens", "output_tokens"}``.
     """
     from specserve.entrypoints.llm import LLM
 

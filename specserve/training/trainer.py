@@ -281,8 +281,8 @@ def return_freed_memory_to_the_os(threshold: int = 64 * 1024) -> bool:
 
     Why: by default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB),
     after which a training step's activations of a few MiB come from the heap, whose free pieces of
-    varying sizes it never returns. The 4-epoch 500k-token run of BENCHMARKS.md grew its resident
-    memory ~0.7 GB/min to 19 GB (of 23) by step 900; with these settings it stayed near 5 GB.
+    varying sizes it never returns. The 500k-token run of BENCHMARKS.md ("Piece 4") grew to 21.8 GB
+    resident by step 600 without this. The setting is process-wide (it stays after training).
 
     Returns:
         True when both were set; False where the C library has no ``mallopt`` (not glibc).
