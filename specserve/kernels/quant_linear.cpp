@@ -20,7 +20,8 @@
 // Integer products are summed exactly in int32 within a superblock, then each superblock adds
 // one float term per lane in a fixed order. Every output element is computed by one thread with
 // the same instruction sequence whatever the number of rows M, the row's place in the batch or the
-// thread count, so a row's result is bitwise independent of what it is multiplied with
+// thread count (weight rows are paired for their integer sums only, see kWeightRows), so a row's
+// result is bitwise independent of what it is multiplied with
 // (speculative verify of k+1 rows == k+1 single-row decodes); the VNNI and AVX2 dot products give
 // the same integers, so the same bits. Compiled with -ffp-contract=off so the compiler cannot
 // fuse the scalar float operations differently in different loops.
@@ -85,79 +86,149 @@ __attribute__((always_inline)) inline __m256i lanes_u8(const uint8_t* p, int64_t
   return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tmp)));
 }
 
-__attribute__((always_inline)) inline __m256i lanes_i32(const int32_t* p, int64_t n) {
-  if (n == 8) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  alignas(32) int32_t tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// Weight rows per pass: with VNNI (32 vector registers) two weight rows share each activation
+// load; AVX2's 16 registers hold one. Only the integer sums are computed together: every output
+// element still gets its own float operations in the same order, so the bits do not depend on
+// the pairing (nor on which weight row is left over at the end of a thread's range).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kWeightRows = 2;
+#else
+constexpr int kWeightRows = 1;
+#endif
+
+__attribute__((always_inline)) inline __m256 lanes_f32(const float* p, int64_t n) {
+  if (n == 8) return _mm256_loadu_ps(p);
+  alignas(32) float tmp[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   std::memcpy(tmp, p, static_cast<size_t>(n) * 4);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(tmp));
+  return _mm256_load_ps(tmp);
 }
 
-// One int4 superblock of rows r0..r0+R-1 against weight row n: isum[r] lane b = block b's integer
-// dot product times its scale. W = 4 * (sub-blocks in this superblock) bytes per vector; called
-// with the literal 32 for full superblocks so that the loads are plain vector loads.
-template <int R>
-__attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, const uint8_t* wq, const int8_t* xs,
-                                                    int64_t K, __m256i scv) {
+// One int4 superblock of activation rows r0..r0+R-1 against weight rows n..n+NB-1:
+// isum[b * R + r] lane j = block j's integer dot product times its scale. W = 4 * (sub-blocks in
+// this superblock) bytes per vector; called with the literal 32 for full superblocks so that the
+// loads are plain vector loads.
+template <int R, int NB>
+__attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, const uint8_t* const* wq,
+                                                    const int8_t* xs, int64_t K, const __m256i* scv) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i sc16 = scale16(scv);
-  for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
-#pragma GCC unroll 2   // fully unrolled, the reassociated sums spill AVX2's 16 registers
+  __m256i sc16[NB];
+  for (int b = 0; b < NB; ++b) sc16[b] = scale16(scv[b]);
+  for (int i = 0; i < NB * R; ++i) isum[i] = _mm256_setzero_si256();
+#pragma GCC unroll 2   // fully unrolled, the reassociated sums spill the vector registers
   for (int64_t u = 0; u < 4; ++u) {
-    const __m256i v = load32(wq + u * W, W);
-    const __m256i lo = _mm256_and_si256(v, m4);
-    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    __m256i lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m256i v = load32(wq[b] + u * W, W);
+      lo[b] = _mm256_and_si256(v, m4);
+      hi[b] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = xs + r * K + 2 * u * W;
-      isum[r] = dot4(isum[r], lo, load32(xr, W), sc16);
-      isum[r] = dot4(isum[r], hi, load32(xr + W, W), sc16);
+      const __m256i xa = load32(xr, W), xb = load32(xr + W, W);
+      for (int b = 0; b < NB; ++b) {
+        isum[b * R + r] = dot4(isum[b * R + r], lo[b], xa, sc16[b]);
+        isum[b * R + r] = dot4(isum[b * R + r], hi[b], xb, sc16[b]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) isum[r] = finish_scale(isum[r], scv);
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) isum[b * R + r] = finish_scale(isum[b * R + r], scv[b]);
 }
 
-// One int4 output element block: rows r0..r0+R-1 of the activations against weight row n.
-template <int R>
+// One int4 output block: activation rows r0..r0+R-1 against weight rows n..n+NB-1.
+template <int R, int NB>
 inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
-                    const int32_t* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
+                    const float* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
                     const float* d, const float* dmin, const float* bias, float* out, int64_t ldo) {
-  __m256 acc[R], macc[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+  __m256 acc[NB * R], macc[NB * R];
+  for (int i = 0; i < NB * R; ++i) { acc[i] = _mm256_setzero_ps(); macc[i] = _mm256_setzero_ps(); }
   for (int64_t s = 0; s < S; ++s) {
     const int64_t k0 = s * kSuper, j0 = k0 / 32;
     const int64_t nsub = std::min(kSuper, K - k0) / 32;
-    const uint8_t* wq = qs + n * (K / 2) + k0 / 2;
     const int8_t* xs = xq + r0 * K + k0;
-    const __m256i scv = lanes_u8(sc + n * (K / 32) + j0, nsub);
-    __m256i isum[R];
-    if (nsub == 8) q4_super<R>(isum, 32, wq, xs, K, scv);
-    else q4_super<R>(isum, 4 * nsub, wq, xs, K, scv);
-    // lane b: block b's scaled integer sum (|.| < 32 * 15 * 127 * 255 < 2^24: exact as a float);
-    // the mins times the rows' block sums likewise
-    const __m256i mv = lanes_u8(mn + n * (K / 32) + j0, nsub);
-    const float dw = d[n * S + s], dm = dmin[n * S + s];
-    for (int r = 0; r < R; ++r) {
-      const float ds = dx[(r0 + r) * S + s];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(dw * ds), acc[r]);
-      const __m256i bv = lanes_i32(bsum + (r0 + r) * (K / 32) + j0, nsub);
-      macc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(mv, bv)), _mm256_set1_ps(dm * ds), macc[r]);
+    const uint8_t* wq[NB];
+    __m256i scv[NB];
+    for (int b = 0; b < NB; ++b) {
+      wq[b] = qs + (n + b) * (K / 2) + k0 / 2;
+      scv[b] = lanes_u8(sc + (n + b) * (K / 32) + j0, nsub);
+    }
+    __m256i isum[NB * R];
+    if (nsub == 8) q4_super<R, NB>(isum, 32, wq, xs, K, scv);
+    else q4_super<R, NB>(isum, 4 * nsub, wq, xs, K, scv);
+    // lane j: block j's scaled integer sum (|.| < 32 * 15 * 127 * 255 < 2^24: exact as a float);
+    // the mins times the rows' block sums likewise (|.| < 255 * 32 * 127 < 2^24), so their float
+    // product is that integer exactly and the rows' block sums are converted once per call
+    __m256 bv[R];
+    for (int r = 0; r < R; ++r) bv[r] = lanes_f32(bsum + (r0 + r) * (K / 32) + j0, nsub);
+    for (int b = 0; b < NB; ++b) {
+      const __m256 mv = _mm256_cvtepi32_ps(lanes_u8(mn + (n + b) * (K / 32) + j0, nsub));
+      const float dw = d[(n + b) * S + s], dm = dmin[(n + b) * S + s];
+      for (int r = 0; r < R; ++r) {
+        const float ds = dx[(r0 + r) * S + s];
+        __m256& a = acc[b * R + r];
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[b * R + r]), _mm256_set1_ps(dw * ds), a);
+        __m256& ma = macc[b * R + r];
+        ma = _mm256_fmadd_ps(_mm256_mul_ps(mv, bv[r]), _mm256_set1_ps(dm * ds), ma);
+      }
     }
   }
-  const float b = bias ? bias[n] : 0.0f;
-  for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = (hsum8(acc[r]) - hsum8(macc[r])) + b;
+  for (int b = 0; b < NB; ++b) {
+    const float bb = bias ? bias[n + b] : 0.0f;
+    for (int r = 0; r < R; ++r)
+      out[(r0 + r) * ldo + n + b] = (hsum8(acc[b * R + r]) - hsum8(macc[b * R + r])) + bb;
+  }
 }
 
-// One int8 superblock: vector t < 4 holds, in lane b, values of 16-value sub-block 2b, vector
-// t >= 4 of sub-block 2b + 1, so the even scales (se) weigh the first four, the odd (so) the rest.
-template <int R>
-__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* wq, const int8_t* xs,
-                                                    int64_t K, __m256i se, __m256i so) {
+// One int8 superblock: vector t < 4 holds, in lane j, values of 16-value sub-block 2j, vector
+// t >= 4 of sub-block 2j + 1, so the even scales (se) weigh the first four, the odd (so) the rest.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// vpdpbusd multiplies unsigned by signed bytes: the activations go in offset by 128 (x ^ 0x80 =
+// x + 128 as an unsigned byte), and 128 times each lane's weight sum (one vpdpbusd by ones per
+// weight vector, shared by all rows) comes off again: the same integers as the AVX2 path's.
+template <int R, int NB>
+__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* const* wq,
+                                                    const int8_t* xs, int64_t K, const __m256i* se,
+                                                    const __m256i* so) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi8(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256i a[NB * R], wsum[NB];
+    for (int i = 0; i < NB * R; ++i) a[i] = _mm256_setzero_si256();
+    for (int b = 0; b < NB; ++b) wsum[b] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+    for (int64_t t = 4 * half; t < 4 * half + 4; ++t) {
+      __m256i w[NB];
+      for (int b = 0; b < NB; ++b) {
+        w[b] = load32(wq[b] + t * W, W);
+        wsum[b] = _mm256_dpbusd_epi32(wsum[b], ones, w[b]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i x = _mm256_xor_si256(load32(xs + r * K + t * W, W), flip);
+        for (int b = 0; b < NB; ++b) a[b * R + r] = _mm256_dpbusd_epi32(a[b * R + r], x, w[b]);
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m256i corr = _mm256_slli_epi32(wsum[b], 7);
+      const __m256i scale = half ? so[b] : se[b];
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = _mm256_mullo_epi32(_mm256_sub_epi32(a[b * R + r], corr), scale);
+        isum[b * R + r] = half ? _mm256_add_epi32(isum[b * R + r], v) : v;
+      }
+    }
+  }
+}
+#else
+template <int R, int NB>
+__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* const* wq,
+                                                    const int8_t* xs, int64_t K, const __m256i* se,
+                                                    const __m256i* so) {
+  static_assert(NB == 1, "AVX2 computes one weight row per pass");
   __m256i ea[R], oa[R];
   for (int r = 0; r < R; ++r) { ea[r] = _mm256_setzero_si256(); oa[r] = _mm256_setzero_si256(); }
-  const __m256i se16 = scale16(se), so16 = scale16(so);
-  // |w| times x with w's sign: the dot product needs one unsigned operand
+  const __m256i se16 = scale16(se[0]), so16 = scale16(so[0]);
+  // |w| times x with w's sign: vpmaddubsw needs one unsigned operand
 #pragma GCC unroll 2   // as in q4_super
   for (int64_t t = 0; t < 8; ++t) {
-    const __m256i w = load32(wq + t * W, W);
+    const __m256i w = load32(wq[0] + t * W, W);
     const __m256i aw = _mm256_sign_epi8(w, w);
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_sign_epi8(load32(xs + r * K + t * W, W), w);
@@ -165,37 +236,46 @@ __attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, co
       else oa[r] = dot4(oa[r], aw, x, so16);
     }
   }
-  for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se), finish_scale(oa[r], so));
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se[0]), finish_scale(oa[r], so[0]));
 }
+#endif
 
-// One int8 output element block: rows r0..r0+R-1 against weight row n.
-template <int R>
+// One int8 output block: activation rows r0..r0+R-1 against weight rows n..n+NB-1.
+template <int R, int NB>
 inline void q8_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                     const int8_t* qs, const int8_t* sc, const float* d, const float* bias, float* out,
                     int64_t ldo) {
   const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
   const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[NB * R];
+  for (int i = 0; i < NB * R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const int64_t k0 = s * kSuper;
     const int64_t nsub = std::min(kSuper, K - k0) / 32;
-    const __m128i sv = _mm256_castsi256_si128(load32(sc + n * (K / 16) + k0 / 16, 2 * nsub));
-    const __m256i se = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
-    const __m256i so = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
-    const int8_t* wq = qs + n * K + k0;
+    const int8_t* wq[NB];
+    __m256i se[NB], so[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m128i sv = _mm256_castsi256_si128(load32(sc + (n + b) * (K / 16) + k0 / 16, 2 * nsub));
+      se[b] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
+      so[b] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
+      wq[b] = qs + (n + b) * K + k0;
+    }
     const int8_t* xs = xq + r0 * K + k0;
-    __m256i isum[R];
-    if (nsub == 8) q8_super<R>(isum, 32, wq, xs, K, se, so);
-    else q8_super<R>(isum, 4 * nsub, wq, xs, K, se, so);
-    const float dw = d[n * S + s];
-    for (int r = 0; r < R; ++r) {
-      const float ds = dx[(r0 + r) * S + s];
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(dw * ds), acc[r]);
+    __m256i isum[NB * R];
+    if (nsub == 8) q8_super<R, NB>(isum, 32, wq, xs, K, se, so);
+    else q8_super<R, NB>(isum, 4 * nsub, wq, xs, K, se, so);
+    for (int b = 0; b < NB; ++b) {
+      const float dw = d[(n + b) * S + s];
+      for (int r = 0; r < R; ++r) {
+        const float ds = dx[(r0 + r) * S + s];
+        acc[b * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[b * R + r]), _mm256_set1_ps(dw * ds), acc[b * R + r]);
+      }
     }
   }
-  const float b = bias ? bias[n] : 0.0f;
-  for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = hsum8(acc[r]) + b;
+  for (int b = 0; b < NB; ++b) {
+    const float bb = bias ? bias[n + b] : 0.0f;
+    for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n + b] = hsum8(acc[b * R + r]) + bb;
+  }
 }
 
 // Rows m0..m1-1 in groups of 4 (the remainder runs the same per-row arithmetic with R < 4).
@@ -211,15 +291,20 @@ inline void for_row_groups(int64_t m0, int64_t m1, F&& f) {
   }
 }
 
-// f(R, n, r) for every weight row n (split over threads) and group of R rows starting at r; rows
-// in passes of kRowBlock so a thread's weight rows are re-read from cache, not memory.
+// f(R, NB, n, r) for every group of NB weight rows from n (split over threads; NB = kWeightRows,
+// or 1 for a thread's last odd row) and group of R activation rows from r; activation rows in
+// passes of kRowBlock so a thread's weight rows are re-read from cache, not memory.
 template <typename F>
 void for_each_output(int64_t M, int64_t N, F&& f) {
   if (M == 0 || N == 0) return;
   at::parallel_for(0, N, 16, [&](int64_t nb, int64_t ne) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
-      for (int64_t n = nb; n < ne; ++n) for_row_groups(m0, m1, [&](auto R, int64_t r) { f(R, n, r); });
+      int64_t n = nb;
+      for (; n + kWeightRows <= ne; n += kWeightRows)
+        for_row_groups(m0, m1, [&](auto R, int64_t r) { f(R, std::integral_constant<int, kWeightRows>{}, n, r); });
+      for (; n < ne; ++n)
+        for_row_groups(m0, m1, [&](auto R, int64_t r) { f(R, std::integral_constant<int, 1>{}, n, r); });
     }
   });
 }
@@ -298,7 +383,8 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   const float* bp = bias_ptr(bias, N);
   const int8_t* xp = xq.data_ptr<int8_t>();
   const float* dxp = dx.data_ptr<float>();
-  const int32_t* bsp = bsum.data_ptr<int32_t>();
+  const torch::Tensor bsum_f = bsum.to(torch::kFloat32);   // exact: |block sum| <= 32 * 127
+  const float* bsp = bsum_f.data_ptr<float>();
   const uint8_t* qp = qs.data_ptr<uint8_t>();
   const uint8_t* scp = sc.data_ptr<uint8_t>();
   const uint8_t* mnp = mn.data_ptr<uint8_t>();
@@ -306,8 +392,8 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   const float* dmp = dmin.data_ptr<float>();
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
-  for_each_output(M, N, [&](auto R, int64_t n, int64_t r) {
-    q4_rows<decltype(R)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
+  for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
+    q4_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
   });
 }
 
@@ -329,8 +415,8 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor qs, torch::Tens
   const float* dp = d.data_ptr<float>();
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
-  for_each_output(M, N, [&](auto R, int64_t n, int64_t r) {
-    q8_rows<decltype(R)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
+  for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
+    q8_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
   });
 }
 
