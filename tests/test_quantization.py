@@ -81,7 +81,8 @@ def test_kernel_order_transposes_groups_of_four(k):
 
 @pytest.mark.parametrize("layout", LAYOUTS + ["mixed"])
 def test_rows_bitwise_independent_of_row_count(layout):
-    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17."""
+    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17 (with
+    VNNI, calls of 16 rows or more pair the weight rows: the bits stay the same)."""
     k = 1536
     if layout == "mixed":  # a fused q/k/v: q, k int4 (Q4_K) and v int8 (Q6_K)
         lin = make_linear([quantize(_weight(64, k, 1), "int4"), quantize(_weight(32, k, 2), "int4"),
@@ -101,7 +102,7 @@ def test_result_independent_of_thread_count(layout):
     """An odd number of weight rows: with VNNI the kernels pair weight rows, and a thread's range
     may end on a row left alone, a different one for each thread count; the bits stay the same."""
     lin = make_linear([_weight(75, 1536)], None, layout)
-    x = _inputs(6, 1536)
+    x = _inputs(20, 1536)   # enough rows for the pairing (kPairMinRows)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
