@@ -184,54 +184,16 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
 
 // One int8 superblock: vector t < 4 holds, in lane j, values of 16-value sub-block 2j, vector
 // t >= 4 of sub-block 2j + 1, so the even scales (se) weigh the first four, the odd (so) the rest.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-// vpdpbusd multiplies unsigned by signed bytes: the activations go in offset by 128 (x ^ 0x80 =
-// x + 128 as an unsigned byte), and 128 times each lane's weight sum (one vpdpbusd by ones per
-// weight vector, shared by all rows) comes off again: the same integers as the AVX2 path's.
-template <int R, int NB>
-__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* const* wq,
-                                                    const int8_t* xs, int64_t K, const __m256i* se,
-                                                    const __m256i* so) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi8(1);
-  for (int half = 0; half < 2; ++half) {
-    __m256i a[NB * R], wsum[NB];
-    for (int i = 0; i < NB * R; ++i) a[i] = _mm256_setzero_si256();
-    for (int b = 0; b < NB; ++b) wsum[b] = _mm256_setzero_si256();
-#pragma GCC unroll 2
-    for (int64_t t = 4 * half; t < 4 * half + 4; ++t) {
-      __m256i w[NB];
-      for (int b = 0; b < NB; ++b) {
-        w[b] = load32(wq[b] + t * W, W);
-        wsum[b] = _mm256_dpbusd_epi32(wsum[b], ones, w[b]);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_xor_si256(load32(xs + r * K + t * W, W), flip);
-        for (int b = 0; b < NB; ++b) a[b * R + r] = _mm256_dpbusd_epi32(a[b * R + r], x, w[b]);
-      }
-    }
-    for (int b = 0; b < NB; ++b) {
-      const __m256i corr = _mm256_slli_epi32(wsum[b], 7);
-      const __m256i scale = half ? so[b] : se[b];
-      for (int r = 0; r < R; ++r) {
-        const __m256i v = _mm256_mullo_epi32(_mm256_sub_epi32(a[b * R + r], corr), scale);
-        isum[b * R + r] = half ? _mm256_add_epi32(isum[b * R + r], v) : v;
-      }
-    }
-  }
-}
-#else
-template <int R, int NB>
-__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* const* wq,
-                                                    const int8_t* xs, int64_t K, const __m256i* se,
-                                                    const __m256i* so) {
-  static_assert(NB == 1, "AVX2 computes one weight row per pass");
+// One weight row: |w| times x with w's sign (the dot product needs one unsigned operand).
+template <int R>
+__attribute__((always_inline)) inline void q8_super_signed(__m256i* isum, int64_t W, const int8_t* wq,
+                                                           const int8_t* xs, int64_t K, __m256i se, __m256i so) {
   __m256i ea[R], oa[R];
   for (int r = 0; r < R; ++r) { ea[r] = _mm256_setzero_si256(); oa[r] = _mm256_setzero_si256(); }
-  const __m256i se16 = scale16(se[0]), so16 = scale16(so[0]);
-  // |w| times x with w's sign: vpmaddubsw needs one unsigned operand
+  const __m256i se16 = scale16(se), so16 = scale16(so);
 #pragma GCC unroll 2   // as in q4_super
   for (int64_t t = 0; t < 8; ++t) {
-    const __m256i w = load32(wq[0] + t * W, W);
+    const __m256i w = load32(wq + t * W, W);
     const __m256i aw = _mm256_sign_epi8(w, w);
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_sign_epi8(load32(xs + r * K + t * W, W), w);
@@ -239,9 +201,52 @@ __attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, co
       else oa[r] = dot4(oa[r], aw, x, so16);
     }
   }
-  for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se[0]), finish_scale(oa[r], so[0]));
+  for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se), finish_scale(oa[r], so));
 }
+
+// Several weight rows (VNNI only): the sign trick would cost a sign per row and activation, so
+// the activations go in offset by 128 (x ^ 0x80 = x + 128 as an unsigned byte), and 128 times
+// each lane's weight sum (one vpdpbusd by ones per weight vector, shared by all rows) comes off
+// again: the same integers as the sign trick's.
+template <int R, int NB>
+__attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, const int8_t* const* wq,
+                                                    const int8_t* xs, int64_t K, const __m256i* se,
+                                                    const __m256i* so) {
+  if constexpr (NB == 1) {
+    q8_super_signed<R>(isum, W, wq[0], xs, K, se[0], so[0]);
+  } else {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi8(1);
+    for (int half = 0; half < 2; ++half) {
+      __m256i a[NB * R], wsum[NB];
+      for (int i = 0; i < NB * R; ++i) a[i] = _mm256_setzero_si256();
+      for (int b = 0; b < NB; ++b) wsum[b] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+      for (int64_t t = 4 * half; t < 4 * half + 4; ++t) {
+        __m256i w[NB];
+        for (int b = 0; b < NB; ++b) {
+          w[b] = load32(wq[b] + t * W, W);
+          wsum[b] = _mm256_dpbusd_epi32(wsum[b], ones, w[b]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_xor_si256(load32(xs + r * K + t * W, W), flip);
+          for (int b = 0; b < NB; ++b) a[b * R + r] = _mm256_dpbusd_epi32(a[b * R + r], x, w[b]);
+        }
+      }
+      for (int b = 0; b < NB; ++b) {
+        const __m256i corr = _mm256_slli_epi32(wsum[b], 7);
+        const __m256i scale = half ? so[b] : se[b];
+        for (int r = 0; r < R; ++r) {
+          const __m256i v = _mm256_mullo_epi32(_mm256_sub_epi32(a[b * R + r], corr), scale);
+          isum[b * R + r] = half ? _mm256_add_epi32(isum[b * R + r], v) : v;
+        }
+      }
+    }
+#else
+    static_assert(NB == 1, "AVX2 computes one weight row per pass");
 #endif
+  }
+}
 
 // One int8 output block: activation rows r0..r0+R-1 against weight rows n..n+NB-1.
 template <int R, int NB>
