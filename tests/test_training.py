@@ -264,6 +264,50 @@ def test_padding_a_batch_to_a_length_multiple_leaves_the_loss_unchanged(tiny_qwe
         TrainConfig(length_multiple=0)
 
 
+def test_feature_noise_is_uniform_and_scaled_by_each_vectors_rms():
+    """EAGLE's feature noise, per fused layer: (noisy - clean) / rms lies in (-a, a) with the
+    uniform distribution's mean 0 and variance a^2 / 3, whatever the layer's scale."""
+    from specserve.training.trainer import add_feature_noise
+
+    torch.manual_seed(0)
+    width, a = 64, 0.2
+    x = torch.randn(2000, 3, width) * torch.tensor([0.01, 1.0, 300.0]).view(1, 3, 1)   # three scales
+    noisy = add_feature_noise(x.flatten(-2), a, width).unflatten(-1, (3, width))
+    z = (noisy - x) / x.pow(2).mean(-1, keepdim=True).sqrt()
+    assert z.abs().max() <= a * (1 + 1e-5)
+    for layer in range(3):
+        zl = z[:, layer].double()
+        assert abs(zl.mean().item()) < 0.002                               # s.e. 0.2 / sqrt(3 * 128000)
+        assert abs(zl.var().item() / (a * a / 3) - 1) < 0.02               # s.e. of the ratio ~0.0035
+    assert torch.equal(add_feature_noise(x.flatten(-2), 0.0, width), x.flatten(-2))
+    with pytest.raises(ValueError, match="feature_noise must be in \\[0, 1\\), got 1.5"):
+        TrainConfig(feature_noise=1.5)
+
+
+def test_feature_noise_only_while_training(tiny_qwen2_dir, tiny_data):
+    """The noise perturbs the training loss and leaves evaluation (``head.eval()``) exact."""
+    from specserve.models.draft_head import DraftHead, DraftHeadConfig
+    from specserve.training.trainer import head_losses
+
+    out, _ = tiny_data
+    loaded = load_model(str(tiny_qwen2_dir))
+    w = loaded.weights
+    batch = HiddenStateDataset(out, "train", 0.2, load_aux=True).batch([0, 1])
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(loaded.config, "eagle3", aux_hidden_state_layers=(0, 2)))
+    head.attach_target(w["model.embed_tokens.weight"], w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+    clean, noisy = TrainConfig(variant="eagle3", unroll_steps=2), TrainConfig(variant="eagle3", unroll_steps=2,
+                                                                              feature_noise=0.3)
+    with torch.no_grad():
+        head.train()
+        l_clean, _ = head_losses(head, batch, clean, head.target_to_draft())
+        l_noisy, _ = head_losses(head, batch, noisy, head.target_to_draft())
+        head.eval()
+        l_eval, _ = head_losses(head, batch, noisy, head.target_to_draft())
+    assert not torch.isclose(l_noisy, l_clean, rtol=1e-4)
+    assert torch.equal(l_eval, l_clean)
+
+
 def test_aux_layer_flag():
     from specserve.training.commands import _aux_layers
 
@@ -309,7 +353,7 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_qwen2_dir, tiny_d
     args = (loaded.config, w["model.embed_tokens.weight"], w.get("lm_head.weight", w["model.embed_tokens.weight"]))
     cfg = TrainConfig(variant="eagle3", draft_vocab_size=64, unroll_steps=2, num_steps=24, batch_size=4, lr=2e-3,
                       warmup_steps=4, eval_every=10 ** 6, val_fraction=0.2, eval_chain=2, checkpoint_every=8,
-                      own_lm_head=True)
+                      own_lm_head=True, feature_noise=0.1)   # the noise's draws resume too
     whole, head_a = train_head(out, tmp_path / "a", *args, cfg, progress=False)
 
     piece, _ = train_head(out, tmp_path / "b", *args, cfg, progress=False, stop_at_step=5)

@@ -30,6 +30,8 @@ TRAIN_FLAGS = [
     ("ce_weight", float, "weight of the cross-entropy to the target's distribution (default: 0.1; 1.0 for eagle3)"),
     ("max_train_tokens", int, "train on the first N tokens of the training split (data-scaling runs)"),
     ("unroll_steps", int, "train on the head's own outputs for this many steps"),
+    ("feature_noise", float, "EAGLE's training noise on the target's features: U(-a, a) times each "
+                             "feature vector's RMS (default 0: none)"),
     ("intermediate_size", int, "the head's MLP width (default: the target's)"),
     ("draft_vocab_size", int, "score only the N most frequent tokens (default: all)"),
     ("val_fraction", float, "share of documents held out"), ("eval_every", int, "steps between evaluations"),

@@ -17,6 +17,13 @@ inference: the keys step 0 made from the target's features up to the accepted po
 chain's own keys of steps 1 .. j at the same row
 (:func:`~specserve.models.draft_head._training_time_test_attention`).
 
+With ``feature_noise`` a > 0 the target's features that the head reads are perturbed while
+training (Li et al. 2024, "EAGLE", section 4.2: uniform noise on the features, U(-0.1, 0.1) there,
+so that the head copes with the errors of its own predicted features and fits less of the
+training set). EAGLE adds it to final-norm features of scale ~1; here each feature vector (each
+fused layer's for ``eagle3``, whose residual streams differ in scale by orders of magnitude) gets
+U(-a, a) times its own root mean square. The regression and cross-entropy targets stay clean.
+
 AdamW, linear warmup then cosine decay to ``min_lr_ratio`` of the peak, gradient clipping; float32,
 or with ``mixed_precision="bfloat16"`` the forward and backward matmuls in bfloat16 (``torch.autocast``)
 over float32 weights, optimizer state and losses (no loss scaling: bfloat16 has float32's range).
@@ -66,6 +73,7 @@ class TrainConfig:
     hidden_loss_weight: float | None = None   # None: 1.0, and 0.0 for eagle3
     ce_weight: float | None = None            # None: 0.1, and 1.0 for eagle3
     unroll_steps: int = 1
+    feature_noise: float = 0.0                # U(-a, a) x RMS added to the input features while training
     own_lm_head: bool = False                 # eagle3: train its own lm_head (saved with the head)
     max_train_tokens: int | None = None       # the first N tokens of the training split (data scaling)
     val_fraction: float = 0.05
@@ -92,6 +100,8 @@ class TrainConfig:
             raise ValueError(f"own_lm_head is for variant 'eagle3', not {self.variant!r}")
         if eagle3 and self.hidden_loss_weight:
             raise ValueError("an eagle3 head has no target feature to regress to: hidden_loss_weight must be 0")
+        if not 0 <= self.feature_noise < 1:
+            raise ValueError(f"feature_noise must be in [0, 1), got {self.feature_noise}")
         if self.max_train_tokens is not None and self.max_train_tokens < 1:
             raise ValueError(f"max_train_tokens must be >= 1, got {self.max_train_tokens}")
         for name in ("num_steps", "batch_size", "unroll_steps", "eval_every", "eval_chain", "max_eval_segments",
@@ -153,6 +163,18 @@ def chunked_ce(head: DraftHead, pred: torch.Tensor, ids: torch.Tensor, probs: to
     return torch.cat(ces), torch.cat(tops)
 
 
+def add_feature_noise(features: torch.Tensor, amplitude: float, width: int) -> torch.Tensor:
+    """``features [..., k * width]`` plus, for each ``width``-wide vector, uniform noise in
+    ``(-amplitude, amplitude)`` times that vector's root mean square (EAGLE's feature noise, scaled;
+    see the module docstring). Draws from torch's global generator (saved with a checkpoint)."""
+    if amplitude == 0:
+        return features
+    x = features.unflatten(-1, (-1, width))
+    rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    noise = (torch.rand(x.shape, device=x.device) * 2 - 1) * amplitude * rms
+    return (x + noise.to(x.dtype)).flatten(-2)
+
+
 def head_losses(head: DraftHead, batch: Batch, cfg: TrainConfig, target_to_draft: torch.Tensor,
                 num_steps: int | None = None) -> tuple[torch.Tensor, list[dict]]:
     """Loss of one batch, averaged over ``num_steps`` unrolled steps (default ``cfg.unroll_steps``).
@@ -170,6 +192,8 @@ def head_losses(head: DraftHead, batch: Batch, cfg: TrainConfig, target_to_draft
         if n <= 0:
             break
         inputs = prev[:, :n]
+        if j == 0 and head.training:   # the target's features; later steps read the head's own
+            inputs = add_feature_noise(inputs, cfg.feature_noise, head.config.hidden_size)
         positions = torch.arange(j, t - 1, device=inputs.device).expand(b, n)   # of the input hidden states
         pred = head(inputs, batch.input_ids[:, 1 + j:], positions, ttt=ttt)   # [B, n, H]
         valid = batch.mask[:, 1 + j:]
