@@ -1,0 +1,67 @@
+"""The int4 1.5B target with this checkout's kernels against another commit's, in one process.
+
+    python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp] [--rounds 4]
+
+Every quantized linear's kernel module is swapped between runs, alternating old / new per round
+(the same weights, so the machine's drift hits both): a greedy 48-token generation (plain decode,
+or `mtp` with k = 3 and the shipped head), and the hidden-state precompute's forward (4 segments
+of 512 standard-library tokens with the fused layers 2, 14, 25, as `train-head` runs it). Prints
+medians; the generated tokens must be equal (the kernels' bits are). Run it alone.
+"""
+import argparse
+import gc
+import statistics
+import time
+
+from kernel_bench import build_other
+
+from specserve.entrypoints.llm import LLM
+from specserve.kernels import quant_ops
+from specserve.models.linear import QuantizedLinear
+from specserve.sampling_params import SamplingParams
+from specserve.training.corpus import stdlib_documents
+from specserve.training.hidden_states import _run_segments
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--against", default="00784f9", help="the commit whose kernel is 'old'")
+    ap.add_argument("--mtp", action="store_true", help="generate with method mtp, k = 3 (the shipped head)")
+    ap.add_argument("--rounds", type=int, default=4)
+    args = ap.parse_args()
+    spec = {"method": "mtp", "num_speculative_tokens": 3} if args.mtp else None
+    llm = LLM("qwen2.5-coder-1.5b-instruct", quantization="int4", speculative_config=spec)
+    builds = {"old": build_other(args.against), "new": quant_ops()}
+    linears = [m for m in gc.get_objects() if isinstance(m, QuantizedLinear)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompt = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
+    ids = [t for _, d in stdlib_documents(llm.get_tokenizer(), max_tokens=4000) for t in d]
+    segments = [ids[i * 512:(i + 1) * 512] for i in range(4)]
+    engine = llm.llm_engine
+    gen, pre, tokens = {k: [] for k in builds}, {k: [] for k in builds}, {}
+    for _ in range(args.rounds):
+        for name, ops in builds.items():
+            for lin in linears:
+                lin._ops = ops
+            t = time.perf_counter()
+            out = llm.generate([prompt], params, use_tqdm=False)
+            gen[name].append(time.perf_counter() - t)
+            tokens.setdefault(name, out[0].outputs[0].token_ids)
+            if not args.mtp:
+                model = engine.runner.model
+                previous, model.aux_hidden_state_layers = model.aux_hidden_state_layers, (2, 14, 25)
+                t = time.perf_counter()
+                _run_segments(engine, segments, 20)
+                pre[name].append(time.perf_counter() - t)
+                model.aux_hidden_state_layers = previous
+    for name in builds:
+        g = statistics.median(gen[name])
+        line = f"{name}: {'mtp k=3' if args.mtp else 'plain'} {48 / g:.2f} tok/s (median of {args.rounds})"
+        if pre[name]:
+            line += f", precompute prefill {2048 / statistics.median(pre[name]):.1f} tok/s"
+        print(line)
+    print("same tokens:", tokens["old"] == tokens["new"])
+
+
+if __name__ == "__main__":
+    main()
