@@ -162,6 +162,27 @@ def test_evaluate_reports_engine_counters(tiny_qwen2_dir, tmp_path):
     assert r["draft_quantization"] == "none"   # the float target's head stays float
 
 
+def test_evaluate_a_dynamic_tree_and_check_exactness(tiny_qwen2_dir, trained_tiny_head):
+    """eval-head's tree mode drafts EAGLE-2's dynamic tree with the same head: the accepted drafts
+    counted at depths 1..k are all of them (paths never go deeper than the tree), and the greedy
+    outputs equal those without speculation, which it checks itself."""
+    prompts = ["def f(x):", "import os\n", "class A:\n    def", "for i in range("]
+    r = evaluate_head_in_engine(str(tiny_qwen2_dir), str(trained_tiny_head), prompts, 3, max_tokens=16,
+                                method="eagle", eagle_topk=2, num_draft_tokens=6, check_exact=True)
+    assert r["method"] == "eagle" and r["eagle_topk"] == 2 and r["num_draft_tokens_per_step"] == 6
+    assert r["exact"] == len(prompts) and r["inexact_prompts"] == []
+    assert len(r["chain_accuracy"]) == 3 and r["num_accepted_tokens"] > 0
+    assert sum(r["accepted_per_position"]) == r["num_accepted_tokens"]
+    # P(path >= j deep) over every step with a tree, shallow pruned trees included
+    steps_with_tree = r["drafted_per_position"][0]
+    assert r["chain_accuracy"] == [a / steps_with_tree for a in r["accepted_per_position"]]
+    assert sum(r["chain_accuracy"]) * steps_with_tree == pytest.approx(r["num_accepted_tokens"])
+    assert r["chain_accuracy"] == sorted(r["chain_accuracy"], reverse=True)
+    assert r["num_draft_tokens"] <= 6 * r["num_verify_steps"]
+    with pytest.raises(ValueError, match="'medusa'"):
+        evaluate_head_in_engine(str(tiny_qwen2_dir), str(trained_tiny_head), prompts, 3, method="medusa")
+
+
 def test_head_methods_take_the_head_shipped_for_the_target():
     """``method="mtp"`` / ``"eagle"`` without a ``model`` use the head that ships with the target
     (as DeepSeek-V3's MTP layers ship with it), from the API and from the command line."""

@@ -18,6 +18,7 @@ from specserve.entrypoints.args import engine_args
 from specserve.models.draft_head import HEAD_VARIANTS
 from specserve.models.quantization import QUANTIZATIONS
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
+from specserve.training.evaluate import HEAD_METHODS
 from specserve.training.trainer import TrainConfig
 
 
@@ -256,7 +257,8 @@ def run_train_head(args: argparse.Namespace) -> int:
 
 
 def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str,
-          quantization: str = "none", num_specbench: int = 0, draft_quantization: str | None = None) -> dict:
+          quantization: str = "none", num_specbench: int = 0, draft_quantization: str | None = None,
+          **tree_and_checks) -> dict:
     from specserve.benchmarks.bench import humaneval_prompts
     from specserve.training.corpus import spec_bench_eval_questions
     from specserve.training.evaluate import evaluate_head_in_engine
@@ -276,13 +278,16 @@ def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dty
         prompts += [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                     for _, q in held_out[::step][:num_specbench]]
     result = evaluate_head_in_engine(target, head, prompts, k, max_tokens, dtype, quantization=quantization,
-                                     draft_quantization=draft_quantization)
+                                     draft_quantization=draft_quantization, **tree_and_checks)
     result["num_specbench_prompts"] = num_specbench
-    print(f"engine evaluation ({num_prompts} held-out HumanEval prompts + {num_specbench} Spec-Bench, k={k}, greedy, "
+    shape = (f"EAGLE-2 tree of depth {k}, top-k {result['eagle_topk']}, {result['num_draft_tokens_per_step']} nodes"
+             if result["method"] == "eagle" else f"chain k={k}")
+    exact = f", greedy = no speculation {result['exact']}/{len(prompts)}" if "exact" in result else ""
+    print(f"engine evaluation ({num_prompts} held-out HumanEval prompts + {num_specbench} Spec-Bench, {shape}, greedy, "
           f"target {quantization}, head {result['draft_quantization']}): acceptance length "
           f"{result['acceptance_length']:.3f} +- {result['acceptance_length_stderr']:.3f} "
-          f"({result['num_verify_steps']} steps), top-1 {result['top1']:.3f}, "
-          f"chain accuracy {[round(x, 3) for x in result['chain_accuracy']]}", flush=True)
+          f"({result['num_verify_steps']} steps), P(first j accepted) "
+          f"{[round(x, 3) for x in result['chain_accuracy']]}{exact}", flush=True)
     return result
 
 
@@ -292,7 +297,14 @@ def add_eval_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=10,
                    help=f"held-out HumanEval prompts (at most {HUMANEVAL_EVAL_PROMPTS}; default: %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="the chain's k, or the tree's depth")
+    p.add_argument("--method", default="mtp", choices=list(HEAD_METHODS),
+                   help="mtp: a chain of k drafts; eagle: EAGLE-2's dynamic tree (default: %(default)s)")
+    p.add_argument("--eagle-topk", type=int, default=4, help="eagle: children per expanded node (default: %(default)s)")
+    p.add_argument("--num-draft-tokens", type=int, default=12,
+                   help="eagle: tree nodes verified per step (default: %(default)s)")
+    p.add_argument("--check-exact", action="store_true",
+                   help="also decode without speculation and count the outputs equal to it token for token")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quantization", "-q", default="none", choices=list(QUANTIZATIONS),
                    help="the target's linears (evaluate a head on the target it was trained on; default: %(default)s)")
@@ -313,7 +325,8 @@ def run_eval_head(args: argparse.Namespace) -> int:
     result = {"target": args.target, "head": args.head,
               "engine": _eval(args.target, args.head, args.num_prompts, args.num_speculative_tokens,
                               args.max_tokens, args.dtype, args.quantization, args.specbench_prompts,
-                              args.draft_quantization)}
+                              args.draft_quantization, method=args.method, eagle_topk=args.eagle_topk,
+                              num_draft_tokens=args.num_draft_tokens, check_exact=args.check_exact)}
     if args.data_dir:
         from specserve.training.dataset import HiddenStateDataset
         from specserve.training.trainer import evaluate
