@@ -178,7 +178,7 @@ def test_evaluate_a_dynamic_tree_and_check_exactness(tiny_qwen2_dir, trained_tin
     assert r["chain_accuracy"] == [a / steps_with_tree for a in r["accepted_per_position"]]
     assert sum(r["chain_accuracy"]) * steps_with_tree == pytest.approx(r["num_accepted_tokens"])
     assert r["chain_accuracy"] == sorted(r["chain_accuracy"], reverse=True)
-    assert r["num_draft_tokens"] <= 6 * r["num_verify_steps"]
+    assert r["num_draft_tokens"] <= 3 * r["num_verify_steps"]   # a tree step counts its depth, at most k
     with pytest.raises(ValueError, match="'medusa'"):
         evaluate_head_in_engine(str(tiny_qwen2_dir), str(trained_tiny_head), prompts, 3, method="medusa")
 

@@ -88,19 +88,19 @@ def evaluate_head_in_engine(target: str, head: str, prompts: list[str], num_spec
     outs = llm.generate(prompts, params, use_tqdm=True)
     st = llm.llm_engine.spec_stats
     steps = st.num_verify_steps
-    chain = chain_accuracy(st.accepted_per_position, st.drafted_per_position)[:num_speculative_tokens]
-    if method == "eagle" and chain:
+    accepted, drafted = st.accepted_per_position[:num_speculative_tokens], st.drafted_per_position[:num_speculative_tokens]
+    if method == "eagle":
         # a tree step records its depth as its drafts, and a pruned dynamic tree is often shallower
         # than k: count every step with a tree, so chain[j-1] is P(the accepted path is >= j deep)
-        chain = [a / st.drafted_per_position[0] for a in st.accepted_per_position[:num_speculative_tokens]]
+        drafted = drafted[:1] * len(drafted)
+    chain = chain_accuracy(accepted, drafted)
     per_pos = conditional_acceptance(chain)
     result = {"method": method, "acceptance_length": 1 + st.num_accepted_tokens / steps if steps else None,
               "acceptance_length_stderr": acceptance_length_stderr(chain, steps),
               "top1": chain[0] if chain else None, "per_position_acceptance": per_pos, "chain_accuracy": chain,
               "num_verify_steps": steps, "num_draft_tokens": st.num_draft_tokens,
               "num_accepted_tokens": st.num_accepted_tokens,
-              "accepted_per_position": st.accepted_per_position[:num_speculative_tokens],
-              "drafted_per_position": st.drafted_per_position[:num_speculative_tokens],
+              "accepted_per_position": accepted, "drafted_per_position": st.drafted_per_position[:num_speculative_tokens],
               "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
               "output_token_ids": [list(o.outputs[0].token_ids) for o in outs],
               "num_prompts": len(prompts), "max_tokens": max_tokens, "num_speculative_tokens": num_speculative_tokens,
