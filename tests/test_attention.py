@@ -1,4 +1,5 @@
-"""Paged attention backend against a float64 reference, tree masks against per-path runs."""
+"""Paged attention backends (the per-row PyTorch reference and our CPU kernel) against a float64
+reference, tree masks against per-path runs, the kernel's batch invariance."""
 from __future__ import annotations
 
 import math
@@ -6,10 +7,16 @@ import math
 import pytest
 import torch
 
+from specserve.attention import cpu_backend
+from specserve.attention.cpu_backend import CpuAttentionBackend
 from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.kernels import cpu_supports_quantized
 
 H, HKV, D = 4, 2, 16
+
+needs_kernel = pytest.mark.skipif(not cpu_supports_quantized(), reason="the CPU attention kernel needs AVX2")
+BACKENDS = [pytest.param(TorchAttentionBackend, id="torch"), pytest.param(CpuAttentionBackend, id="kernel", marks=needs_kernel)]
 
 
 def reference(q, k, v, visible):
@@ -25,8 +32,9 @@ def make_cache(num_blocks, block_size):
     return torch.zeros(num_blocks, block_size, HKV, D), torch.zeros(num_blocks, block_size, HKV, D)
 
 
+@pytest.mark.parametrize("backend_cls", BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_ragged_batch_matches_reference(block_size):
+def test_ragged_batch_matches_reference(block_size, backend_cls):
     """A prefill, a decode and a 5-token verify in one batch, on shuffled pages."""
     torch.manual_seed(0)
     context_lens, query_lens = [0, 9, 30], [13, 1, 5]
@@ -50,7 +58,7 @@ def test_ragged_batch_matches_reference(block_size):
     q = torch.randn(sum(query_lens), H, D)
     k = torch.cat([full_k[b][c:] for b, c in enumerate(context_lens)])
     v = torch.cat([full_v[b][c:] for b, c in enumerate(context_lens)])
-    out = TorchAttentionBackend(H, HKV, D).forward(q, k, v, kc, vc, md)
+    out = backend_cls(H, HKV, D).forward(q, k, v, kc, vc, md)
     row = 0
     for b, (c, n) in enumerate(zip(context_lens, query_lens)):
         for i in range(n):
@@ -77,7 +85,8 @@ def test_tree_mask_hand_built():
         [1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
 
 
-def test_tree_equals_each_path_alone():
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_tree_equals_each_path_alone(backend_cls):
     """Tree root -> {a -> c, b}: every node's output equals running its root-to-node path as a chain."""
     torch.manual_seed(1)
     block_size, ctx = 4, 7
@@ -85,7 +94,7 @@ def test_tree_equals_each_path_alone():
     n = len(parents)
     ctx_k, ctx_v = torch.randn(ctx, HKV, D), torch.randn(ctx, HKV, D)
     q, k, v = torch.randn(n, H, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
-    backend = TorchAttentionBackend(H, HKV, D)
+    backend = backend_cls(H, HKV, D)
 
     def run(idx: list[int], mask):
         kc, vc = make_cache(8, block_size)
@@ -110,7 +119,8 @@ def test_tree_equals_each_path_alone():
     assert torch.equal(run(list(range(n)), causal), run(list(range(n)), None))
 
 
-def test_tree_grown_level_by_level_equals_one_shot():
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_tree_grown_level_by_level_equals_one_shot(backend_cls):
     """A draft head writes a tree one level per forward: the new level's rows see the context plus
     their ancestors among the rows written before (a [new, block] mask). Outputs equal the tree
     verified in one forward."""
@@ -121,7 +131,7 @@ def test_tree_grown_level_by_level_equals_one_shot():
     n = len(parents)
     ctx_k, ctx_v = torch.randn(ctx, HKV, D), torch.randn(ctx, HKV, D)
     q, k, v = torch.randn(n, H, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
-    backend = TorchAttentionBackend(H, HKV, D)
+    backend = backend_cls(H, HKV, D)
     table = [3, 1, 6, 2]
     full = tree_mask(parents)
 
@@ -144,3 +154,95 @@ def test_tree_grown_level_by_level_equals_one_shot():
         out = backend.forward(q[idx], k[idx], v[idx], kc, vc, md)
         assert torch.equal(out, one_shot[idx])
         written += len(level)
+
+
+def _random_paged(seq_lens, hkv, d, block_size=16, seed=0):
+    """Caches holding ``seq_lens`` tokens of random K/V on shuffled pages; the block tables."""
+    g = torch.Generator().manual_seed(seed)
+    npages = [-(-n // block_size) for n in seq_lens]
+    pages = torch.randperm(sum(npages) + 3, generator=g).tolist()
+    tables, at = [], 0
+    for n in npages:
+        tables.append(pages[at:at + n])
+        at += n
+    kc = torch.randn(len(pages), block_size, hkv, d, generator=g) * 2
+    vc = torch.randn(len(pages), block_size, hkv, d, generator=g)
+    return kc, vc, tables
+
+
+@needs_kernel
+def test_kernel_rows_are_batch_invariant():
+    """SmolLM2's heads (9 query, 3 kv, dim 64): a row over 301 keys gives the same bits decoded
+    alone, as the last of a 4-row verify, inside a prefill, next to other sequences, on 1 or 2
+    threads; and matches float64 to 1e-5."""
+    h, hkv, d, bs = 9, 3, 64, 16
+    lens = [301, 40, 77]
+    kc, vc, tables = _random_paged(lens, hkv, d, bs)
+    g = torch.Generator().manual_seed(5)
+    qall = torch.randn(sum(lens), h, d, generator=g) * 3   # sharp softmaxes: scores span ~+-60
+    backend = CpuAttentionBackend(h, hkv, d)
+
+    def run(seqs):   # seqs: (seq, context_len, n): rows context_len .. context_len + n - 1
+        md = AttentionMetadata.build([tables[b] for b, _, _ in seqs], [c for _, c, _ in seqs],
+                                     [n for _, _, n in seqs], bs)
+        q = torch.cat([qall[sum(lens[:b]) + c: sum(lens[:b]) + c + n] for b, c, n in seqs])
+        flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+        k, v = flat_k[md.slot_mapping].clone(), flat_v[md.slot_mapping].clone()   # rewrite the same K/V
+        return backend.forward(q, k, v, kc, vc, md)
+
+    alone = run([(0, 300, 1)])[0]
+    assert torch.equal(run([(0, 297, 4)])[-1], alone)
+    assert torch.equal(run([(0, 0, 301)])[-1], alone)
+    assert torch.equal(run([(1, 10, 30), (0, 298, 3), (2, 76, 1)])[30 + 2], alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(run([(2, 0, 77), (0, 300, 1)])[-1], alone)
+    finally:
+        torch.set_num_threads(threads)
+    keys = kc.view(-1, hkv, d)[AttentionMetadata.build([tables[0]], [0], [301], bs).slot_mapping]
+    vals = vc.view(-1, hkv, d)[AttentionMetadata.build([tables[0]], [0], [301], bs).slot_mapping]
+    kk, vv = keys.double().repeat_interleave(3, 1), vals.double().repeat_interleave(3, 1)
+    s = torch.einsum("hd,nhd->hn", qall[300].double(), kk) / math.sqrt(d)
+    assert s.max() - s.min() > 40
+    ref = torch.einsum("hn,nhd->hd", s.softmax(-1), vv)
+    assert torch.allclose(alone.double(), ref, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_kernel_falls_back_where_it_does_not_serve(monkeypatch):
+    """``SPECSERVE_ATTENTION=torch``, float64 caches and a head dim not a multiple of 8 run the
+    reference backend (equal bits); the kernel itself differs from it only by rounding."""
+    torch.manual_seed(3)
+    kc, vc, tables = _random_paged([20], HKV, D, 4)
+    md = AttentionMetadata.build(tables, [15], [5], 4)
+    q, k, v = torch.randn(5, H, D), torch.randn(5, HKV, D), torch.randn(5, HKV, D)
+    ref = TorchAttentionBackend(H, HKV, D).forward(q, k, v, kc.clone(), vc.clone(), md)
+    kernel = CpuAttentionBackend(H, HKV, D).forward(q, k, v, kc.clone(), vc.clone(), md)
+    assert torch.allclose(kernel, ref, atol=1e-5) and not torch.equal(kernel, ref)
+    monkeypatch.setenv("SPECSERVE_ATTENTION", "torch")
+    assert torch.equal(CpuAttentionBackend(H, HKV, D).forward(q, k, v, kc.clone(), vc.clone(), md), ref)
+    monkeypatch.delenv("SPECSERVE_ATTENTION")
+    ref64 = TorchAttentionBackend(H, HKV, D).forward(q.double(), k.double(), v.double(), kc.double(), vc.double(), md)
+    assert torch.equal(CpuAttentionBackend(H, HKV, D).forward(
+        q.double(), k.double(), v.double(), kc.double(), vc.double(), md), ref64)
+    d12 = 12
+    kc12, vc12, _ = _random_paged([20], HKV, d12, 4)
+    q12, k12, v12 = torch.randn(5, H, d12), torch.randn(5, HKV, d12), torch.randn(5, HKV, d12)
+    assert torch.equal(CpuAttentionBackend(H, HKV, d12).forward(q12, k12, v12, kc12.clone(), vc12.clone(), md),
+                       TorchAttentionBackend(H, HKV, d12).forward(q12, k12, v12, kc12.clone(), vc12.clone(), md))
+
+
+@needs_kernel
+def test_kernel_refuses_inconsistent_indices():
+    """Index tensors that would read past a sequence's slots are refused with the row named."""
+    ops = cpu_backend._kernel()
+    kc = torch.zeros(8, HKV, D)
+    q = torch.zeros(1, H, D)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="row 0 reads past"):
+        ops.paged_attention(q, kc, kc, torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                            one * 3, one * 0, torch.zeros(1, 0, dtype=torch.uint8), 0.25)
+    with pytest.raises(RuntimeError, match="slot 9 out of range"):
+        ops.paged_attention(q, kc, kc, torch.tensor([9]), torch.zeros(1, dtype=torch.int64),
+                            one, one * 0, torch.zeros(1, 0, dtype=torch.uint8), 0.25)

@@ -6,7 +6,10 @@ has it: the same integers, so the same bits) over k-quant weight layouts (llama.
 superblocks, stored in the kernels' order) and per-row int8 activations. Why our own kernel and not a
 library one is recorded in ``docs/quantization.md``.
 
-The first call compiles the extension (about a minute, needs a C++ compiler and ``ninja``) into
+``paged_attention.cpp`` holds the batch-invariant paged attention of
+:mod:`specserve.attention.cpu_backend`: one call per layer, one task per (row, kv head).
+
+The first call compiles an extension (about a minute, needs a C++ compiler and ``ninja``) into
 ``<cache>/kernels/<key>`` (``$SPECSERVE_CACHE`` or ``~/.cache/specserve``); later processes load it.
 """
 from __future__ import annotations
@@ -19,8 +22,11 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
+_ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
 _module = None
+_attention_module = None
 
 
 class KernelUnavailableError(ValueError):
@@ -75,21 +81,48 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE):
     Raises:
         KernelUnavailableError: the extension does not build (the compiler's last line).
     """
+    flags = list(_AVX2_FLAGS)
+    if vnni:   # vpdpbusd: one instruction per 32 products instead of three (same integers)
+        flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
+    return _build(Path(source), flags, "quant_linear", "or use quantization 'none'")
+
+
+def attention_ops():
+    """The compiled paged-attention extension (``paged_attention``).
+
+    Raises:
+        KernelUnavailableError: no AVX2 on this CPU, or the extension does not build.
+    """
+    global _attention_module
+    if _attention_module is not None:
+        return _attention_module
+    with _lock:
+        if _attention_module is None:
+            if not cpu_supports_quantized():
+                raise KernelUnavailableError(f"the CPU attention kernel needs AVX2; this CPU reports "
+                                             f"{torch.backends.cpu.get_cpu_capability()!r}")
+            _attention_module = _build(_ATTENTION_SOURCE, list(_AVX2_FLAGS), "paged_attention", "")
+        return _attention_module
+
+
+def _build(source: Path, flags: list[str], stem: str, advice: str):
+    """Compile ``source`` with ``flags`` (or load it from the on-disk cache) as its own module.
+
+    Raises:
+        KernelUnavailableError: the extension does not build (the compiler's last line).
+    """
     from torch.utils import cpp_extension
 
     from specserve.models.loader import default_cache_dir
 
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
-    if vnni:   # vpdpbusd: one instruction per 32 products instead of three (same integers)
-        flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
-    key = hashlib.sha256(Path(source).read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    build = Path(default_cache_dir()) / "kernels" / f"quant_linear-{key}"
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    build = Path(default_cache_dir()) / "kernels" / f"{stem}-{key}"
     build.mkdir(parents=True, exist_ok=True)
     try:   # one module name per source and flags: a process may load several
-        return cpp_extension.load(name=f"specserve_quant_linear_{key}", sources=[str(source)],
+        return cpp_extension.load(name=f"specserve_{stem}_{key}", sources=[str(source)],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
                                   verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
     except Exception as e:  # compiler or ninja missing, build error
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise KernelUnavailableError(f"cannot build the quantized CPU kernels ({last[:300]}); "
-                                     f"install a C++ compiler and ninja, or use quantization 'none'") from None
+        raise KernelUnavailableError(f"cannot build the CPU kernels of {source.name} ({last[:300]}); "
+                                     f"install a C++ compiler and ninja{', ' + advice if advice else ''}") from None

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.metadata import AttentionMetadata
-from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.cpu_backend import CpuAttentionBackend
 from specserve.config import ModelConfig
 from specserve.models.llama import RotaryEmbedding, rms_norm
 
@@ -279,8 +279,8 @@ class DraftHead(nn.Module):
             self.shared_head = nn.Module()
             self.shared_head.norm = RMSNorm(h, eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max(config.max_position_embeddings, 1))
-        self.paged_attention = TorchAttentionBackend(config.num_attention_heads, config.num_key_value_heads,
-                                                     config.head_dim)
+        self.paged_attention = CpuAttentionBackend(config.num_attention_heads, config.num_key_value_heads,
+                                                   config.head_dim)
         self.register_buffer("draft_to_target", torch.arange(n, dtype=torch.int64))
         # the target's, frozen: plain attributes, so they are neither saved, trained, moved by
         # .to() nor broadcast by DistributedDataParallel

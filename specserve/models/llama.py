@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.metadata import AttentionMetadata
-from specserve.attention.torch_backend import TorchAttentionBackend
+from specserve.attention.cpu_backend import CpuAttentionBackend
 from specserve.config import ModelConfig
 from specserve.models.linear import make_linear
 from specserve.models.quantization import check_quantization
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
                                                      requires_grad=False)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.attn = TorchAttentionBackend(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        self.attn = CpuAttentionBackend(self.num_heads, self.num_kv_heads, cfg.head_dim)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.all_reduce(x)

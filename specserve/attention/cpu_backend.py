@@ -1,0 +1,93 @@
+"""Paged attention on our CPU kernel: one call per layer instead of one per row.
+
+The kernel (``specserve/kernels/paged_attention.cpp``) keeps the reference backend's contract, a
+row's result depends on its own query and visible keys only, by computing every (row, kv head)
+pair as one task with a fixed instruction sequence, so decode, verify, tree and prefill rows over
+the same keys agree bit for bit. It serves float32 caches on the CPU; anything else (CUDA, other
+dtypes, autograd, a CPU without AVX2 or a machine without a compiler) goes to
+:class:`~specserve.attention.torch_backend.TorchAttentionBackend`. ``SPECSERVE_ATTENTION=torch``
+forces the reference backend (A/B timing).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from specserve.attention.metadata import AttentionMetadata
+from specserve.attention.torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
+_unavailable: str | None = None   # why the kernel cannot run in this process, once known
+
+
+def _kernel():
+    """The compiled kernel module, or None (logged once) where it cannot run."""
+    global _unavailable
+    if _unavailable is not None:
+        return None
+    from specserve.kernels import KernelUnavailableError, attention_ops
+    try:
+        return attention_ops()
+    except KernelUnavailableError as e:
+        _unavailable = str(e)
+        logger.warning("paged attention falls back to the per-row PyTorch backend: %s", e)
+        return None
+
+
+def kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    """The kernel's index tensors for ``md``, built once per step (cached in ``md.backend_cache``).
+
+    Returns ``(seq_slots [sum seq_lens], row_slot_start [T], prefix [T], block_len [T], mask [T, W])``:
+    row ``t`` sees the first ``prefix[t]`` slots of its sequence (from ``row_slot_start[t]`` in
+    ``seq_slots``) and, of the ``block_len[t]`` after them, those where ``mask[t]`` is 1 (int64 but
+    the uint8 mask; ``W`` is the widest draft block, 0 without trees).
+    """
+    cached = md.backend_cache.get("cpu_kernel_rows")
+    if cached is not None:
+        return cached
+    qlens = md.query_lens
+    seq_start = torch.tensor([0] + md.seq_lens, dtype=torch.int64).cumsum(0)[:-1]
+    trees = md.tree_masks or [None] * md.num_seqs
+    width = max((m.shape[1] for m in trees if m is not None), default=0)
+    starts, prefixes, block_lens, masks = [], [], [], []
+    for b, (n, total) in enumerate(zip(qlens, md.seq_lens)):
+        starts.append(seq_start[b].expand(n))
+        tree = trees[b]
+        if tree is None:   # causal: the context and the new tokens up to the row itself
+            prefixes.append(torch.arange(total - n + 1, total + 1, dtype=torch.int64))
+            block_lens.append(torch.zeros(n, dtype=torch.int64))
+            masks.append(torch.zeros(n, width, dtype=torch.uint8))
+        else:              # everything before the draft block, then the block through the mask
+            w = tree.shape[1]
+            prefixes.append(torch.full((n,), total - w, dtype=torch.int64))
+            block_lens.append(torch.full((n,), w, dtype=torch.int64))
+            masks.append(torch.nn.functional.pad(tree.to(torch.uint8), (0, width - w)))
+    rows = (torch.cat(md.kv_slot_ids).to("cpu", torch.int64).contiguous(), torch.cat(starts).contiguous(),
+            torch.cat(prefixes), torch.cat(block_lens), torch.cat(masks).contiguous())
+    md.backend_cache["cpu_kernel_rows"] = rows
+    return rows
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """:class:`TorchAttentionBackend`'s interface and results (to float32 rounding: the kernel sums
+    in its own fixed order) on one kernel call per layer where the kernel serves the tensors."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        if not self._kernel_serves(query, key_cache):
+            return super().forward(query, key, value, key_cache, value_cache, md)
+        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
+        flat_v = value_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, md.slot_mapping, key)
+        flat_v.index_copy_(0, md.slot_mapping, value)
+        return _kernel().paged_attention(query.contiguous(), flat_k, flat_v, *kernel_rows(md), self.scale)
+
+    def _kernel_serves(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return (query.device.type == "cpu" and key_cache.device.type == "cpu"
+                and query.dtype == torch.float32 and key_cache.dtype == torch.float32
+                and self.head_dim % 8 == 0 and key_cache.is_contiguous()
+                and not (torch.is_grad_enabled() and query.requires_grad)
+                and os.environ.get("SPECSERVE_ATTENTION", "kernel") != "torch"
+                and _kernel() is not None)

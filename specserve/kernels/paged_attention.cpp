@@ -1,0 +1,189 @@
+// Batch-invariant paged attention for x86 CPUs with AVX2 (specserve.attention.cpu_backend).
+//
+// out[t, h] = sum_j softmax_j(scale * q[t, h] . K[j, g]) V[j, g], g = h / (H / Hkv), over the keys j
+// that query row t may see, read from the paged caches through their flat slots:
+//   * the first prefix[t] keys of the row's sequence, in position order (causal rows: the context
+//     and the new tokens up to and including the row itself), then
+//   * of the next block_len[t] keys (a draft block: tree verification, or a draft head growing a
+//     tree level by level), those whose mask[t, j] is set.
+//
+// Why our own kernel: the PyTorch backend calls scaled_dot_product_attention once per row and layer
+// (a fused batched call rounds a row differently with the number and padding of the rows next to
+// it), which costs tens of microseconds per call in the host alone. Here one call serves a layer:
+// every (row, kv head) pair is one task run by one thread with the same instruction sequence
+// whatever the batch holds (the scores of its keys in position order, their maximum, exp, the sum
+// and the weighted values accumulated in position order), so a row's bits depend on its own query
+// and visible keys only: a decode, a (k+1)-row verify, a tree node and a prefill row over the same
+// keys give the same result. Compiled with -ffp-contract=off; every fused multiply-add is explicit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x1));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 0x1));
+  return _mm_cvtss_f32(lo);
+}
+
+// exp(x) for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), exp(r)
+// by its Taylor polynomial of degree 7 (truncation < 2e-9 relative), times 2^n built in the exponent
+// bits. Lanes below -87 (exp < 2^-125) give 0: their weight is far below a float's resolution of 1,
+// the largest weight.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.0f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);         // ln2 = 0.693359375
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);              //       - 2.12194440e-4
+  __m256 p = _mm256_set1_ps(1.0f / 5040);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// One task: query heads h0 .. h0+G-1 of row t (they share kv head g) over the row's visible keys.
+// Each key and value row is loaded once for the G heads; every (head, key) score and every output
+// lane still gets its own operations in key order. s: scratch of G * L floats; o: of G * D floats;
+// slots: of L int64.
+void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, float scale, const float* q,
+            const float* kc, const float* vc, const int64_t* seq_slots, int64_t prefix, int64_t block_len,
+            const uint8_t* mask, float* out, float* s, float* o, int64_t* slots) {
+  int64_t L = 0;
+  for (int64_t j = 0; j < prefix; ++j) slots[L++] = seq_slots[j];
+  for (int64_t j = 0; j < block_len; ++j)
+    if (mask[j]) slots[L++] = seq_slots[prefix + j];
+  const int64_t nv = D / 8;
+  const float* qg = q + (t * H + g * G) * D;   // the G query heads, contiguous
+  for (int64_t j = 0; j < L; ++j) {
+    const float* kj = kc + (slots[j] * Hkv + g) * D;
+    for (int64_t i = 0; i < G; ++i) {
+      const float* qi = qg + i * D;
+      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qi), _mm256_loadu_ps(kj));
+      for (int64_t v = 1; v < nv; ++v) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * v), _mm256_loadu_ps(kj + 8 * v), acc);
+      s[i * L + j] = hsum8(acc) * scale;
+    }
+  }
+  alignas(32) float inv[64];
+  for (int64_t i = 0; i < G; ++i) {
+    // maximum (exact whatever the order), then the weights and their sum lane by lane: lane l sums
+    // the keys j = l mod 8 in position order, then the lanes are added in a fixed tree
+    float* si = s + i * L;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= L; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(si + j));
+    float m = hmax8(mv);
+    for (int64_t r = j; r < L; ++r) m = std::max(m, si[r]);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 lsum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= L; j += 8) {
+      const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(si + j), mb));
+      _mm256_storeu_ps(si + j, p);
+      lsum = _mm256_add_ps(lsum, p);
+    }
+    if (j < L) {   // the last keys in a padded vector: the padding adds exact zeros
+      alignas(32) float tmp[8];
+      for (int64_t r = 0; r < 8; ++r) tmp[r] = j + r < L ? si[j + r] - m : -INFINITY;
+      const __m256 p = exp_nonpositive(_mm256_load_ps(tmp));
+      _mm256_store_ps(tmp, p);
+      for (int64_t r = j; r < L; ++r) si[r] = tmp[r - j];
+      lsum = _mm256_add_ps(lsum, p);
+    }
+    inv[i] = 1.0f / hsum8(lsum);
+  }
+  for (int64_t x = 0; x < G * D; x += 8) _mm256_storeu_ps(o + x, _mm256_setzero_ps());
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = vc + (slots[j] * Hkv + g) * D;
+    for (int64_t v = 0; v < nv; ++v) {
+      const __m256 vv = _mm256_loadu_ps(vj + 8 * v);
+      for (int64_t i = 0; i < G; ++i) {
+        float* oi = o + i * D + 8 * v;
+        _mm256_storeu_ps(oi, _mm256_fmadd_ps(_mm256_set1_ps(s[i * L + j]), vv, _mm256_loadu_ps(oi)));
+      }
+    }
+  }
+  float* og = out + (t * H + g * G) * D;
+  for (int64_t i = 0; i < G; ++i)
+    for (int64_t v = 0; v < nv; ++v)
+      _mm256_storeu_ps(og + i * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8 * v), _mm256_set1_ps(inv[i])));
+}
+
+}  // namespace
+
+// query [T, H, D] float32; key_cache, value_cache [num_slots, Hkv, D] float32 (flat pages);
+// seq_slots int64: every sequence's slots in position order, concatenated; row_slot_start [T] int64:
+// where row t's sequence starts in seq_slots; prefix, block_len [T] int64; mask [T, W] uint8
+// (W >= max block_len; W = 0 without trees). Returns [T, H, D] float32.
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor seq_slots, torch::Tensor row_slot_start, torch::Tensor prefix,
+                              torch::Tensor block_len, torch::Tensor mask, double scale) {
+  TORCH_CHECK(query.dtype() == torch::kFloat32 && query.dim() == 3 && query.is_contiguous(),
+              "query must be a contiguous float32 [T, H, D] tensor");
+  TORCH_CHECK(key_cache.dtype() == torch::kFloat32 && value_cache.dtype() == torch::kFloat32 &&
+              key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+              key_cache.sizes() == value_cache.sizes(), "caches must be contiguous float32 [slots, Hkv, D]");
+  const int64_t T = query.size(0), H = query.size(1), D = query.size(2), Hkv = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(2) == D && D % 8 == 0, "head_dim must match the cache and be a multiple of 8, got ", D);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64, "num_heads ", H, " must be a multiple of num_kv_heads ", Hkv,
+              " (at most 64 query heads per kv head)");
+  for (const auto* x : {&seq_slots, &row_slot_start, &prefix, &block_len})
+    TORCH_CHECK(x->dtype() == torch::kInt64 && x->is_contiguous(), "index tensors must be contiguous int64");
+  TORCH_CHECK(row_slot_start.numel() == T && prefix.numel() == T && block_len.numel() == T, "one index per row");
+  TORCH_CHECK(mask.dtype() == torch::kUInt8 && mask.dim() == 2 && mask.is_contiguous() && mask.size(0) == T,
+              "mask must be a contiguous uint8 [T, W] tensor");
+  const int64_t W = mask.size(1);
+  const int64_t* ss = seq_slots.data_ptr<int64_t>();
+  const int64_t* rs = row_slot_start.data_ptr<int64_t>();
+  const int64_t* pf = prefix.data_ptr<int64_t>();
+  const int64_t* bl = block_len.data_ptr<int64_t>();
+  const uint8_t* mk = mask.data_ptr<uint8_t>();
+  int64_t max_len = 0;
+  const int64_t num_slots = key_cache.size(0), total = seq_slots.numel();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pf[t] >= 0 && bl[t] >= 0 && bl[t] <= W && rs[t] >= 0 && rs[t] + pf[t] + bl[t] <= total,
+                "row ", t, " reads past its sequence's slots");
+    max_len = std::max(max_len, pf[t] + bl[t]);
+  }
+  for (int64_t i = 0; i < total; ++i) TORCH_CHECK(ss[i] >= 0 && ss[i] < num_slots, "slot ", ss[i], " out of range");
+  auto out = torch::empty_like(query);
+  const int64_t G = H / Hkv;
+  const float* qp = query.data_ptr<float>();
+  const float* kp = key_cache.data_ptr<float>();
+  const float* vp = value_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> s(static_cast<size_t>(G * std::max<int64_t>(max_len, 1))), o(static_cast<size_t>(G * D));
+    std::vector<int64_t> slots(static_cast<size_t>(std::max<int64_t>(max_len, 1)));
+    for (int64_t task = b; task < e; ++task) {
+      const int64_t t = task / Hkv, g = task % Hkv;
+      attend(t, g, G, D, H, Hkv, sc, qp, kp, vp, ss + rs[t], pf[t], bl[t], mk + t * W, op, s.data(), o.data(),
+             slots.data());
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "batch-invariant paged attention (one task per row and kv head)");
+}
