@@ -347,7 +347,7 @@ def _load_requests(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         prompt = PROMPTS[i % len(PROMPTS)] + " " + " ".join(rng.choice(["data", "loop", "sun", "tree", "key"])
                                                              for _ in range(rng.randint(0, 48)))
-        kw = dict(prompt=prompt, max_tokens=rng.randint(4, 40))
+        kw = dict(prompt=prompt, max_tokens=rng.randint(4, 24))
         if i % 3 == 2:
             kw.update(temperature=0.8, top_p=0.9, seed=i)
         else:
