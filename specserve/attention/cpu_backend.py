@@ -72,7 +72,15 @@ def kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, ...]:
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """:class:`TorchAttentionBackend`'s interface and results (to float32 rounding: the kernel sums
-    in its own fixed order) on one kernel call per layer where the kernel serves the tensors."""
+    in its own fixed order) on one kernel call per layer where the kernel serves the tensors.
+
+    On a machine without CUDA the kernel is built (or loaded from the cache) when the model is, so
+    the one-time compile never lands inside a timed generation."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if not torch.cuda.is_available() and os.environ.get("SPECSERVE_ATTENTION", "kernel") != "torch":
+            _kernel()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
