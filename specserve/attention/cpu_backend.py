@@ -47,25 +47,25 @@ def kernel_rows(md: AttentionMetadata) -> tuple[torch.Tensor, ...]:
     cached = md.backend_cache.get("cpu_kernel_rows")
     if cached is not None:
         return cached
-    qlens = md.query_lens
-    seq_start = torch.tensor([0] + md.seq_lens, dtype=torch.int64).cumsum(0)[:-1]
-    trees = md.tree_masks or [None] * md.num_seqs
+    qlens = torch.tensor(md.query_lens, dtype=torch.int64)
+    seq_lens = torch.tensor(md.seq_lens, dtype=torch.int64)
+    starts = torch.tensor(md.query_start_loc[:-1], dtype=torch.int64)
+    seq_start = seq_lens.cumsum(0) - seq_lens
+    # causal rows: the context and the new tokens up to the row itself
+    row_in_seq = torch.arange(md.query_start_loc[-1], dtype=torch.int64) - starts.repeat_interleave(qlens)
+    prefix = (seq_lens - qlens).repeat_interleave(qlens) + row_in_seq + 1
+    trees = md.tree_masks or []
     width = max((m.shape[1] for m in trees if m is not None), default=0)
-    starts, prefixes, block_lens, masks = [], [], [], []
-    for b, (n, total) in enumerate(zip(qlens, md.seq_lens)):
-        starts.append(seq_start[b].expand(n))
-        tree = trees[b]
-        if tree is None:   # causal: the context and the new tokens up to the row itself
-            prefixes.append(torch.arange(total - n + 1, total + 1, dtype=torch.int64))
-            block_lens.append(torch.zeros(n, dtype=torch.int64))
-            masks.append(torch.zeros(n, width, dtype=torch.uint8))
-        else:              # everything before the draft block, then the block through the mask
-            w = tree.shape[1]
-            prefixes.append(torch.full((n,), total - w, dtype=torch.int64))
-            block_lens.append(torch.full((n,), w, dtype=torch.int64))
-            masks.append(torch.nn.functional.pad(tree.to(torch.uint8), (0, width - w)))
-    rows = (torch.cat(md.kv_slot_ids).to("cpu", torch.int64).contiguous(), torch.cat(starts).contiguous(),
-            torch.cat(prefixes), torch.cat(block_lens), torch.cat(masks).contiguous())
+    block_len = torch.zeros_like(prefix)
+    mask = torch.zeros(len(prefix), width, dtype=torch.uint8)
+    for b, tree in enumerate(trees):   # tree rows: everything before the draft block, then the block's mask
+        if tree is not None:
+            q0, q1, w = md.query_start_loc[b], md.query_start_loc[b + 1], tree.shape[1]
+            prefix[q0:q1] = md.seq_lens[b] - w
+            block_len[q0:q1] = w
+            mask[q0:q1, :w] = tree
+    rows = (torch.cat(md.kv_slot_ids).to("cpu", torch.int64), seq_start.repeat_interleave(qlens), prefix, block_len,
+            mask)
     md.backend_cache["cpu_kernel_rows"] = rows
     return rows
 
@@ -79,23 +79,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
-        if not torch.cuda.is_available() and os.environ.get("SPECSERVE_ATTENTION", "kernel") != "torch":
+        self.allowed = head_dim % 8 == 0 and os.environ.get("SPECSERVE_ATTENTION", "kernel") != "torch"
+        if self.allowed and not torch.cuda.is_available():
             _kernel()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        if not self._kernel_serves(query, key_cache):
+        ops = _kernel() if self.allowed and self._serves(query, key_cache) else None
+        if ops is None:
             return super().forward(query, key, value, key_cache, value_cache, md)
-        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
-        flat_v = value_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, md.slot_mapping, key)
-        flat_v.index_copy_(0, md.slot_mapping, value)
-        return _kernel().paged_attention(query.contiguous(), flat_k, flat_v, *kernel_rows(md), self.scale)
+        flat_k, flat_v = self.write_kv(key, value, key_cache, value_cache, md)
+        return ops.paged_attention(query.contiguous(), flat_k, flat_v, *kernel_rows(md), self.scale)
 
-    def _kernel_serves(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        return (query.device.type == "cpu" and key_cache.device.type == "cpu"
-                and query.dtype == torch.float32 and key_cache.dtype == torch.float32
-                and self.head_dim % 8 == 0 and key_cache.is_contiguous()
-                and not (torch.is_grad_enabled() and query.requires_grad)
-                and os.environ.get("SPECSERVE_ATTENTION", "kernel") != "torch"
-                and _kernel() is not None)
+    @staticmethod
+    def _serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return (query.shape[0] > 0 and query.device.type == "cpu" and key_cache.device.type == "cpu"
+                and query.dtype == torch.float32 and key_cache.dtype == torch.float32 and key_cache.is_contiguous()
+                and not (torch.is_grad_enabled() and query.requires_grad))

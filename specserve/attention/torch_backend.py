@@ -29,12 +29,19 @@ class TorchAttentionBackend:
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_slots, Hkv, D]
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new ``key``/``value [T, Hkv, D]`` at ``md.slot_mapping``; return the caches as
+        flat ``[num_slots, Hkv, D]`` views."""
+        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = value_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, md.slot_mapping, key)
         flat_v.index_copy_(0, md.slot_mapping, value)
+        return flat_k, flat_v
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        flat_k, flat_v = self.write_kv(key, value, key_cache, value_cache, md)
         out = torch.empty_like(query)
         gqa = self.num_heads != self.num_kv_heads
         starts = md.query_start_loc

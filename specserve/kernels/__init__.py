@@ -25,8 +25,7 @@ _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 _ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
 _AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp"]
 _lock = threading.Lock()
-_module = None
-_attention_module = None
+_modules: dict[str, object] = {}   # loaded extensions by name, one per process
 
 
 class KernelUnavailableError(ValueError):
@@ -59,18 +58,27 @@ def quant_ops():
         KernelUnavailableError: no AVX2 on this CPU, or the extension does not build (the message
             carries the compiler's last line).
     """
-    global _module
-    if _module is not None:
-        return _module
+    return _load_once("quant_linear", "quantized linears", "use quantization 'none'",
+                      lambda: build_quant_ops(vnni=cpu_has_vnni()))
+
+
+def _load_once(name: str, what: str, advice: str, build):
+    """``build()``'s module, built once per process (thread-safe), on CPUs with AVX2 only.
+
+    Raises:
+        KernelUnavailableError: no AVX2 on this CPU (naming ``what`` and ``advice``), or ``build``'s.
+    """
+    module = _modules.get(name)
+    if module is not None:
+        return module
     with _lock:
-        if _module is not None:
-            return _module
-        if not cpu_supports_quantized():
-            raise KernelUnavailableError(
-                f"quantized linears need an x86 CPU with AVX2; this one reports "
-                f"{torch.backends.cpu.get_cpu_capability()!r} (use quantization 'none')")
-        _module = build_quant_ops(vnni=cpu_has_vnni())
-        return _module
+        if name not in _modules:
+            if not cpu_supports_quantized():
+                raise KernelUnavailableError(
+                    f"{what} need an x86 CPU with AVX2; this one reports "
+                    f"{torch.backends.cpu.get_cpu_capability()!r}{f' ({advice})' if advice else ''}")
+            _modules[name] = build()
+        return _modules[name]
 
 
 def build_quant_ops(vnni: bool, source: Path = _SOURCE):
@@ -93,16 +101,8 @@ def attention_ops():
     Raises:
         KernelUnavailableError: no AVX2 on this CPU, or the extension does not build.
     """
-    global _attention_module
-    if _attention_module is not None:
-        return _attention_module
-    with _lock:
-        if _attention_module is None:
-            if not cpu_supports_quantized():
-                raise KernelUnavailableError(f"the CPU attention kernel needs AVX2; this CPU reports "
-                                             f"{torch.backends.cpu.get_cpu_capability()!r}")
-            _attention_module = _build(_ATTENTION_SOURCE, list(_AVX2_FLAGS), "paged_attention", "")
-        return _attention_module
+    return _load_once("paged_attention", "the CPU attention kernels", "",
+                      lambda: _build(_ATTENTION_SOURCE, list(_AVX2_FLAGS), "paged_attention", ""))
 
 
 def _build(source: Path, flags: list[str], stem: str, advice: str):
