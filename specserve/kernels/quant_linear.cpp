@@ -13,7 +13,7 @@
 // every 32-byte vector then belongs to 32-value block b, so one u8 x s8 four-way dot product per
 // vector leaves int32 lane b with the sum of block b alone. With AVX-512 VNNI that is one vpdpbusd
 // per 32 products and the sub-block scales multiply whole lanes once per superblock; on AVX2 it is
-// vpmaddubsw, then vpmaddwd by the lane's scale (as before this order existed). int4 packs
+// vpmaddubsw, then vpmaddwd by the lane's scale (int4: once per superblock, see q4_super). int4 packs
 // two such vectors (t = 2u low nibbles, t = 2u + 1 high nibbles) in 4B bytes.
 // (specserve.models.quantization.kernel_order is the same map in Python.)
 //
@@ -56,6 +56,19 @@ inline __m256i dot4(__m256i acc, __m256i u, __m256i s, __m256i scale16v) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), scale16v));
 }
 inline __m256i finish_scale(__m256i acc, __m256i /*scale32*/) { return acc; }
+#endif
+
+// The int4 superblock's dot product, unscaled, and its scaling once per superblock. With VNNI as
+// dot4. On AVX2 vpmaddubsw's int16 pair sums are added as int16 over the whole superblock, then
+// scaled by one vpmaddwd: exact, since a pair sum is at most 2 * 15 * 127 = 3,810 in magnitude and
+// a lane adds 8 of them (30,480 < 2^15), so the same integers as one vpmaddwd per vector with a
+// third of the multiplies (decode and verify rows cost less).
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline __m256i q4_dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i q4_finish(__m256i acc, __m256i scale32, __m256i /*scale16v*/) { return _mm256_mullo_epi32(acc, scale32); }
+#else
+inline __m256i q4_dot(__m256i acc, __m256i u, __m256i s) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)); }
+inline __m256i q4_finish(__m256i acc, __m256i /*scale32*/, __m256i scale16v) { return _mm256_madd_epi16(acc, scale16v); }
 #endif
 
 inline float hsum8(__m256 v) {
@@ -129,13 +142,13 @@ __attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, co
       const int8_t* xr = xs + r * K + 2 * u * W;
       const __m256i xa = load32(xr, W), xb = load32(xr + W, W);
       for (int b = 0; b < NB; ++b) {
-        isum[b * R + r] = dot4(isum[b * R + r], lo[b], xa, sc16[b]);
-        isum[b * R + r] = dot4(isum[b * R + r], hi[b], xb, sc16[b]);
+        isum[b * R + r] = q4_dot(isum[b * R + r], lo[b], xa);
+        isum[b * R + r] = q4_dot(isum[b * R + r], hi[b], xb);
       }
     }
   }
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) isum[b * R + r] = finish_scale(isum[b * R + r], scv[b]);
+    for (int r = 0; r < R; ++r) isum[b * R + r] = q4_finish(isum[b * R + r], scv[b], sc16[b]);
 }
 
 // One int4 output block: activation rows r0..r0+R-1 against weight rows n..n+NB-1.
