@@ -3,6 +3,8 @@ reference, tree masks against per-path runs, the kernel's batch invariance."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -261,3 +263,19 @@ def test_kernel_mixed_tree_and_causal_batch_matches_reference():
     ref = TorchAttentionBackend(H, HKV, D).forward(q, k, v, kc.clone(), vc.clone(), md)
     out = CpuAttentionBackend(H, HKV, D).forward(q, k, v, kc.clone(), vc.clone(), md)
     assert torch.allclose(out, ref, atol=1e-5, rtol=0)
+
+
+@needs_kernel
+def test_a_build_killed_midway_does_not_hang_the_next():
+    """torch's cpp_extension waits, without end, while a build's 'lock' file exists; a process
+    killed mid-build leaves one behind. The next process removes it (it holds our flock, which no
+    live builder then holds) and loads the kernel."""
+    from specserve.kernels import _ATTENTION_SOURCE, _AVX2_FLAGS, attention_ops, build_directory
+
+    attention_ops()   # built, or loaded from the cache
+    stale = build_directory(_ATTENTION_SOURCE, list(_AVX2_FLAGS), "paged_attention") / "lock"
+    stale.write_text("")
+    code = "from specserve.kernels import attention_ops; attention_ops()"
+    done = subprocess.run([sys.executable, "-c", code], timeout=300, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not stale.exists()

@@ -14,6 +14,7 @@ The first call compiles an extension (about a minute, needs a C++ compiler and `
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import threading
@@ -105,6 +106,15 @@ def attention_ops():
                       lambda: _build(_ATTENTION_SOURCE, list(_AVX2_FLAGS), "paged_attention", ""))
 
 
+def build_directory(source: Path, flags: list[str], stem: str) -> Path:
+    """Where ``source`` built with ``flags`` lives: ``<cache>/kernels/<stem>-<key>``, the key a
+    hash of the source, torch's version and the flags."""
+    from specserve.models.loader import default_cache_dir
+
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    return Path(default_cache_dir()) / "kernels" / f"{stem}-{key}"
+
+
 def _build(source: Path, flags: list[str], stem: str, advice: str):
     """Compile ``source`` with ``flags`` (or load it from the on-disk cache) as its own module.
 
@@ -113,15 +123,20 @@ def _build(source: Path, flags: list[str], stem: str, advice: str):
     """
     from torch.utils import cpp_extension
 
-    from specserve.models.loader import default_cache_dir
-
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    build = Path(default_cache_dir()) / "kernels" / f"{stem}-{key}"
+    build = build_directory(source, flags, stem)
     build.mkdir(parents=True, exist_ok=True)
-    try:   # one module name per source and flags: a process may load several
-        return cpp_extension.load(name=f"specserve_{stem}_{key}", sources=[str(source)],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
-                                  verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
+    key = build.name.rsplit("-", 1)[1]
+    try:
+        with open(build / "specserve.lock", "w") as held:
+            # cpp_extension marks a build with a 'lock' file and waits, without end, while one
+            # exists; a process killed mid-build leaves it behind. Builders hold this flock (the
+            # kernel drops it when a process dies), so a 'lock' found while holding it is stale.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build / "lock").unlink(missing_ok=True)
+            # one module name per source and flags: a process may load several
+            return cpp_extension.load(name=f"specserve_{stem}_{key}", sources=[str(source)],
+                                      extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
+                                      verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
     except Exception as e:  # compiler or ninja missing, build error
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise KernelUnavailableError(f"cannot build the CPU kernels of {source.name} ({last[:300]}); "
