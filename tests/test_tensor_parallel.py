@@ -189,12 +189,46 @@ def test_tp2_speculation_greedy_equals_no_speculation(tiny_qwen2_dir, tp2_refere
     spec["model"] = {"draft_model": tp_draft_dir, "mtp": trained_tiny_eagle3_head, "eagle": trained_tiny_head,
                      "ngram": None}[method]
     batch, _ = tp2_reference
+    cores = torch.get_num_threads()
     with LLM(tiny_qwen2_dir, tensor_parallel_size=2, speculative_config=spec) as llm:
+        drafting = _watch_drafts(llm) if method == "draft_model" else None
         assert token_ids(llm.generate([prompts()[3]], GREEDY)) == [batch[3]]        # batch 1
         assert token_ids(llm.generate(prompts(), GREEDY)) == batch                  # batch 8
         eng = llm.llm_engine
         assert eng.spec_stats.num_accepted_tokens > 0
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+        if drafting is not None:   # the leader drafts with every core while the worker sleeps
+            assert drafting["threads"] == {cores} and drafting["wall_s"] > 0
+            assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
+            assert drafting["worker_cpu_s"] <= 0.25 * drafting["wall_s"] + 0.05, drafting
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _watch_drafts(llm) -> dict:
+    """Record, over every proposal of the leader's draft, the leader's torch thread count, the
+    wall time and the CPU time the worker rank spent meanwhile (a worker spinning in its wait
+    would spend about the wall time)."""
+    worker = llm.llm_engine.tp.processes[0].pid
+    proposer = llm.llm_engine.worker.proposer
+    propose, seen = proposer.propose, {"threads": set(), "wall_s": 0.0, "worker_cpu_s": 0.0}
+
+    def watched(batch, ks):
+        cpu, t = _cpu_seconds(worker), time.perf_counter()
+        seen["threads"].add(torch.get_num_threads())
+        try:
+            return propose(batch, ks)
+        finally:
+            seen["wall_s"] += time.perf_counter() - t
+            seen["worker_cpu_s"] += _cpu_seconds(worker) - cpu
+
+    proposer.propose = watched
+    return seen
 
 
 def test_tp2_seeded_sampling_is_reproducible_and_batch_invariant(tiny_qwen2_dir, tp_draft_dir):

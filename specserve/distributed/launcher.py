@@ -15,6 +15,7 @@ group's timeout. A spawned worker whose leader disappears exits within a second.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -124,6 +125,7 @@ class TensorParallelLauncher:
             # aborting the process from NCCL's watchdog
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         self._threads = torch.get_num_threads()   # restored at shutdown (a spawning leader uses fewer)
+        self._rank_threads = self._threads         # this rank's share while every rank computes
         self.processes: list = []
         self._errors = None
         self._tracebacks: dict[int, str] = {}   # rank -> the last line of the error it reported
@@ -171,6 +173,7 @@ class TensorParallelLauncher:
                               wait_for_workers=False)
         threads = max(1, (os.cpu_count() or 1) // self.world_size)
         torch.set_num_threads(threads)     # the leader is one of the ranks sharing this machine's cores
+        self._rank_threads = threads
         for rank in range(1, self.world_size):
             p = ctx.Process(target=_worker_main, name=f"specserve-tp-rank{rank}", daemon=True,
                             args=(rank, self.world_size, port, self.timeout_s, threads, builds[rank], self._errors,
@@ -201,6 +204,22 @@ class TensorParallelLauncher:
             raise TensorParallelError(f"tensor-parallel start-up failed: {done[0]!r}")
         self._store = store   # the rendezvous server lives as long as the group
         return done[0]
+
+    @contextlib.contextmanager
+    def leader_alone(self):
+        """Work only the leader does while the workers wait for the next step (the draft's
+        catch-up and proposals): on a CPU shared by spawned ranks the leader takes every core the
+        engine had for it, then goes back to its share. The workers block in a gloo receive while
+        they wait (no spinning: tests/test_distributed.py measures their CPU time), so the cores are
+        free. Elsewhere (GPUs, torchrun's ranks) nothing changes."""
+        if not self.processes or torch.device(self.device).type != "cpu" or self._threads <= self._rank_threads:
+            yield
+            return
+        torch.set_num_threads(self._threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self._rank_threads)
 
     # ------------------------------------------------------------------ health
     def describe_failure(self) -> str:

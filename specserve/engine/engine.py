@@ -132,6 +132,8 @@ class LLMEngine:
             proposer = build_proposer(self.spec_config, target, loaded_draft)
             self.model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
             self.worker = SpeculativeWorker(self.target_worker, proposer, self.spec_config)
+            if self.tp is not None:   # the draft lives on the leader: it drafts with the workers' cores too
+                self.worker.draft_context = self.tp.leader_alone
         self.block_manager.lookahead = self.worker.kv_lookahead
         self.block_manager.require_draft_valid = self.worker.prefix_needs_draft
         self.spec_stats = SpecDecodeStats()

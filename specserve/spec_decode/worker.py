@@ -23,6 +23,7 @@ It wraps the :class:`~specserve.worker.target_worker.TargetWorker` and one
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -52,6 +53,9 @@ class SpeculativeWorker:
         self._follow: set[int] = set()     # seq ids whose draft prefill runs at the start of the next step
         self._deferred: set[int] = set()   # seq ids whose draft prefill waits for a decode step's estimate
         self._cold: set[int] = set()       # seq ids on a cached prefix the draft has not caught up over
+        # the context the draft's own compute runs in (the engine's tensor-parallel leader gives
+        # it every core: TensorParallelLauncher.leader_alone)
+        self.draft_context = contextlib.nullcontext
 
     @property
     def device(self) -> torch.device:
@@ -175,7 +179,8 @@ class SpeculativeWorker:
         sub = batch.select(sorted(rows))
         t0 = time.perf_counter()
         before = sum(self.proposer.num_computed_tokens(s) for s in sub.seq_ids)
-        self.proposer.catch_up(sub)
+        with self.draft_context():
+            self.proposer.catch_up(sub)
         self._cold.difference_update(sub.seq_ids)
         if self.controller is not None:
             done = sum(self.proposer.num_computed_tokens(s) for s in sub.seq_ids) - before
@@ -231,15 +236,16 @@ class SpeculativeWorker:
         did (a step where only some draft would look cheaper than k costs)."""
         t0 = time.perf_counter()
         prop = self.proposer
-        caught_up = prop.catch_up(batch if all(eligible) else batch.select([b for b, e in enumerate(eligible) if e]))
-        ks = [self._num_draft_tokens(batch, b, k) if e else 0 for b, e in enumerate(eligible)]
-        steady = caught_up <= prop.steady_catch_up(k) and all(eligible) and any(ks)
-        proposal = None
-        if all(eligible) and any(ks) and not (batch.any_logprobs or batch.any_penalties or batch.any_grammar):
-            proposal = prop.propose_on_device(batch, ks, batch.sampling_metadata(device=self.device))
-        sync_free = proposal is not None
-        if proposal is None:
-            proposal = prop.propose(batch, ks)
+        with self.draft_context():
+            caught_up = prop.catch_up(batch if all(eligible) else batch.select([b for b, e in enumerate(eligible) if e]))
+            ks = [self._num_draft_tokens(batch, b, k) if e else 0 for b, e in enumerate(eligible)]
+            steady = caught_up <= prop.steady_catch_up(k) and all(eligible) and any(ks)
+            proposal = None
+            if all(eligible) and any(ks) and not (batch.any_logprobs or batch.any_penalties or batch.any_grammar):
+                proposal = prop.propose_on_device(batch, ks, batch.sampling_metadata(device=self.device))
+            sync_free = proposal is not None
+            if proposal is None:
+                proposal = prop.propose(batch, ks)
         draft_end = time.perf_counter()
         if isinstance(proposal, TreeProposal):
             result = self._verify_trees(batch, proposal.trees)
