@@ -197,7 +197,8 @@ def test_tp2_speculation_greedy_equals_no_speculation(tiny_qwen2_dir, tp2_refere
         eng = llm.llm_engine
         assert eng.spec_stats.num_accepted_tokens > 0
         assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
-        if drafting is not None:   # the leader drafts with every core while the worker sleeps
+        if drafting is not None and cores > max(1, (os.cpu_count() or 1) // 2):
+            # the leader drafts with every core the engine had while the worker sleeps
             assert drafting["threads"] == {cores} and drafting["wall_s"] > 0
             assert torch.get_num_threads() == max(1, (os.cpu_count() or 1) // 2)
             assert drafting["worker_cpu_s"] <= 0.25 * drafting["wall_s"] + 0.05, drafting

@@ -218,8 +218,8 @@ class TensorParallelLauncher:
         torch.set_num_threads(self._threads)
         try:
             yield
-        finally:
-            torch.set_num_threads(self._rank_threads)
+        finally:   # a shutdown from another thread meanwhile already gave the process its cores back
+            torch.set_num_threads(self._threads if self._closed else self._rank_threads)
 
     # ------------------------------------------------------------------ health
     def describe_failure(self) -> str:

@@ -131,8 +131,13 @@ def _build(source: Path, flags: list[str], stem: str, advice: str):
             # cpp_extension marks a build with a 'lock' file and waits, without end, while one
             # exists; a process killed mid-build leaves it behind. Builders hold this flock (the
             # kernel drops it when a process dies), so a 'lock' found while holding it is stale.
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (build / "lock").unlink(missing_ok=True)
+            # Where the file system has no flock, cpp_extension's own lock is all there is.
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX)
+            except OSError:
+                pass
+            else:
+                (build / "lock").unlink(missing_ok=True)
             # one module name per source and flags: a process may load several
             return cpp_extension.load(name=f"specserve_{stem}_{key}", sources=[str(source)],
                                       extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),

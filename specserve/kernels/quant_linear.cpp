@@ -17,7 +17,8 @@
 // two such vectors (t = 2u low nibbles, t = 2u + 1 high nibbles) in 4B bytes.
 // (specserve.models.quantization.kernel_order is the same map in Python.)
 //
-// Integer products are summed exactly in int32 within a superblock, then each superblock adds
+// Integer products are summed exactly within a superblock (int32 lanes; AVX2 int4: int16, see
+// q4_dot), then each superblock adds
 // one float term per lane in a fixed order. Every output element is computed by one thread with
 // the same instruction sequence whatever the number of rows M, the row's place in the batch or the
 // thread count (weight rows are paired for their integer sums only, see kWeightRows), so a row's
