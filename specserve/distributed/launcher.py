@@ -210,9 +210,10 @@ class TensorParallelLauncher:
         """Work only the leader does while the workers wait for the next step (the draft's
         catch-up and proposals): on a CPU shared by spawned ranks the leader takes every core the
         engine had for it, then goes back to its share. The workers block in a gloo receive while
-        they wait (no spinning: tests/test_distributed.py measures their CPU time), so the cores are
-        free. Elsewhere (GPUs, torchrun's ranks) nothing changes."""
-        if not self.processes or torch.device(self.device).type != "cpu" or self._threads <= self._rank_threads:
+        they wait (no spinning: tests/test_tensor_parallel.py measures their CPU time), so the cores
+        are free. Elsewhere (GPUs; torchrun's ranks, whose threads the launcher never split) nothing
+        changes."""
+        if torch.device(self.device).type != "cpu" or self._threads <= self._rank_threads:
             yield
             return
         torch.set_num_threads(self._threads)
