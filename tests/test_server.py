@@ -1,8 +1,7 @@
 """The OpenAI-compatible server, driven with the official ``openai`` client on a live 127.0.0.1 port.
 
 Target: SmolLM2-135M-Instruct (real weights, float32). Draft: the same model with int8 weights, so
-drafts are accepted often but not always (about 90% of them; the model cut to its first 20 of 30
-layers, the draft here before, was accepted 9% of the time at twice the step cost). Speculation is on (adaptive k, k <= 3) in every
+drafts are accepted often but not always (about 90%). Speculation is on (adaptive k, k <= 3) in every
 server below; every greedy answer must equal offline ``LLM.generate`` *without* speculation.
 """
 from __future__ import annotations
