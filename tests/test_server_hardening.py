@@ -86,6 +86,14 @@ def test_head_health(server):
     assert httpx.head(server.base_url + "/health").status_code == 200
 
 
+def test_openapi_operation_ids_are_unique(server):
+    """Schema-driven clients and fuzzers key operations by id: every (path, method) has its own."""
+    paths = httpx.get(server.base_url + "/openapi.json").json()["paths"]
+    ids = [op["operationId"] for methods in paths.values() for op in methods.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    assert {"get", "head"} <= set(paths["/health"])
+
+
 def test_bodies_over_the_limit_are_413_and_the_server_goes_on(server):
     big = "x" * (LIMIT + 1)
     resp = post(server, "/v1/completions", {"prompt": big})

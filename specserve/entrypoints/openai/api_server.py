@@ -629,7 +629,10 @@ def build_app(state: ServerState) -> FastAPI:
         logger.exception("internal error")
         return error_response(500, f"internal error: {type(e).__name__}", "internal_error")
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    # GET and HEAD as two routes: one route with both methods gives the OpenAPI schema one
+    # operation id twice (FastAPI warns; schema-driven clients and fuzzers see a clash).
+    @app.head("/health", operation_id="health_head")
+    @app.get("/health", operation_id="health")
     async def health() -> Response:
         if not state.engine.is_running:
             problem = state.engine.engine.health() or state.engine.dead
