@@ -48,6 +48,18 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """Hugging Face transformers' own load of the SmolLM2 GGUF file (float32, eval mode; ``generate``
+    never stops at EOS, the tests compare fixed lengths): the oracle of the loader and model tests,
+    loaded once (it dequantizes in Python: ~15 s)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf),
+                                              dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.fixture(scope="session")
 def tiny_head_data(tiny_qwen2_dir, tmp_path_factory):
     """Hidden states (final and EAGLE-3's fused layers) of the tiny Qwen2 target over its own greedy
     continuations of random prompts: what the trained tiny heads learn from."""

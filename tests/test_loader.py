@@ -191,8 +191,8 @@ def _smollm_gguf():
     return resolve_gguf(SMOLLM)
 
 
-def test_smollm2_gguf_matches_transformers(tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_smollm2_gguf_matches_transformers(tmp_path, monkeypatch, smollm2_hf):
+    from transformers import AutoTokenizer
 
     path = _smollm_gguf()
     loaded = load_model(SMOLLM)
@@ -202,14 +202,14 @@ def test_smollm2_gguf_matches_transformers(tmp_path, monkeypatch):
     assert c.tie_word_embeddings and not c.attention_bias and c.rope_theta == 100000.0
     assert c.eos_token_ids[0] == 2 and c.bos_token_id == 1 and c.rms_norm_eps == 1e-5
 
-    ref_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    ref = ref_model.state_dict()
-    assert ref_model.config.tie_word_embeddings
+    # transformers' load of the same file (the session's copy: both pass the registry's sha256)
+    ref = dict(smollm2_hf.state_dict())
+    assert smollm2_hf.config.tie_word_embeddings
     ref.pop("lm_head.weight")
     assert sorted(loaded.weights) == sorted(ref)
     for name, t in ref.items():
         assert torch.equal(loaded.weights[name], t), name  # q/k equality checks the un-permutation
-    del ref_model, ref
+    del ref
 
     ref_tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert loaded.tokenizer.encode(SAMPLE) == ref_tok.encode(SAMPLE)

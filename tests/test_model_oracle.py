@@ -65,13 +65,8 @@ def test_tiny_logits_match_transformers(tiny_dir):
 
 
 @pytest.fixture(scope="module")
-def smollm2_pair(smollm2_gguf):
-    import os
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_gguf),
-                                              gguf_file=os.path.basename(smollm2_gguf),
-                                              dtype=torch.float32).eval()
-    return build("smollm2-135m-instruct"), hf
+def smollm2_pair(smollm2_hf):
+    return build("smollm2-135m-instruct"), smollm2_hf
 
 
 @requires_smollm2
@@ -107,7 +102,6 @@ def test_tiny_greedy_matches_transformers_generate(tiny_dir):
 def test_smollm2_greedy_matches_transformers_generate(smollm2_pair):
     from specserve import LLM, SamplingParams
     _, hf = smollm2_pair
-    hf.generation_config.eos_token_id = None
     llm = LLM("smollm2-135m-instruct")
     tok = llm.get_tokenizer()
     texts = ["def quicksort(arr):", "The capital of France is", "Once upon a time"]
