@@ -15,8 +15,12 @@
 // and the weighted values accumulated in position order), so a row's bits depend on its own query
 // and visible keys only: a decode, a (k+1)-row verify, a tree node and a prefill row over the same
 // keys give the same result. Compiled with -ffp-contract=off; every fused multiply-add is explicit.
-#include <torch/extension.h>
+// torch/python.h (pybind11 and the tensor casters) and the few ATen headers used, not
+// torch/extension.h: the whole of torch's C++ API takes ~10 s more to compile per build.
+#include <torch/python.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -165,7 +169,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
     max_len = std::max(max_len, pf[t] + bl[t]);
   }
   for (int64_t i = 0; i < total; ++i) TORCH_CHECK(ss[i] >= 0 && ss[i] < num_slots, "slot ", ss[i], " out of range");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int64_t G = H / Hkv;
   const float* qp = query.data_ptr<float>();
   const float* kp = key_cache.data_ptr<float>();

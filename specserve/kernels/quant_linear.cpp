@@ -26,8 +26,12 @@
 // (speculative verify of k+1 rows == k+1 single-row decodes); the VNNI and AVX2 dot products give
 // the same integers, so the same bits. Compiled with -ffp-contract=off so the compiler cannot
 // fuse the scalar float operations differently in different loops.
-#include <torch/extension.h>
+// torch/python.h (pybind11 and the tensor casters) and the few ATen headers used, not
+// torch/extension.h: the whole of torch's C++ API takes ~10 s more to compile per build.
+#include <torch/python.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -356,9 +360,9 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
   const int64_t S = (K + kSuper - 1) / kSuper;
-  auto xq = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto dx = torch::empty({M, S}, x.options());
-  auto bsum = torch::empty({M, K / 32}, x.options().dtype(torch::kInt32));
+  auto xq = at::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto dx = at::empty({M, S}, x.options());
+  auto bsum = at::empty({M, K / 32}, x.options().dtype(torch::kInt32));
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
