@@ -55,7 +55,8 @@ def tp(request) -> int:
 
 # tp2 runs on the same two cores as its ranks (about twice tp1's time): the tests below whose
 # tensor-parallel case adds nothing to what other tp2 tests here and tests/test_tensor_parallel.py
-# check (seeded sampling at tp2, concurrent streams at tp2 with preemption) run unsharded only.
+# check (seeded sampling at tp2, concurrent streams at tp2 with preemption), and those of what the
+# server alone does (stream framing, stop strings, admission), run unsharded only.
 TP1_ONLY = pytest.mark.parametrize("tp", [1], ids=["tp1"], indirect=True)
 
 
@@ -151,6 +152,7 @@ def _check_stream_equals_non_stream(server, stop):
             assert not any(s in text for s in stop)
 
 
+@TP1_ONLY   # the stream frames the leader's outputs, whatever the ranks
 def test_stream_equals_non_stream(server):
     _check_stream_equals_non_stream(server, None)
 
@@ -161,6 +163,7 @@ def test_stream_with_stop_equals_non_stream(server, stop):
     _check_stream_equals_non_stream(server, stop)
 
 
+@TP1_ONLY   # framing of the stream, the leader's alone
 def test_usage_chunk_only_when_asked(server):
     """The client's documented loop (``chunk.choices[0]``) works: no usage-only chunk (empty
     choices) unless ``stream_options.include_usage`` is true, and then it comes last."""
@@ -179,6 +182,7 @@ def test_usage_chunk_only_when_asked(server):
     assert all(len(ch.choices) == 1 for ch in chunks[:-1])
 
 
+@TP1_ONLY   # the stream frames the leader's outputs, whatever the ranks
 def test_chat_stream_equals_non_stream(server):
     c = client(server)
     kw = dict(model=NAME, messages=[{"role": "user", "content": "Write two short sentences about cats."}],
@@ -307,6 +311,7 @@ def test_unknown_model_is_404(server):
         client(server).completions.create(model=NAME, prompt="x", max_tokens=2, top_p=5)
 
 
+@TP1_ONLY   # admission is the server's, before any rank sees a request
 def test_queue_limit_is_503_and_a_request_larger_than_the_queue_is_400(smollm2, tp):
     s = start_server(_spec_engine(smollm2, tp), NAME, max_queue_len=2)
     try:
