@@ -48,9 +48,18 @@ class StructuredOutputsParams:
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"{name} must be a non-empty string, got {v!r}")
         if self.choice is not None:
-            if (not isinstance(self.choice, (list, tuple)) or not self.choice
-                    or not all(isinstance(c, str) and c for c in self.choice)):
-                raise ValueError(f"choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            # name the bad entry, not the whole list (it may hold thousands: the message is an HTTP 400's)
+            problem = None
+            if not isinstance(self.choice, (list, tuple)):
+                problem = f"got {type(self.choice).__name__}"
+            elif not self.choice:
+                problem = "got an empty list"
+            else:
+                bad = next((i for i, c in enumerate(self.choice) if not (isinstance(c, str) and c)), None)
+                if bad is not None:
+                    problem = f"entry {bad} is {self.choice[bad]!r}"[:200]
+            if problem:
+                raise ValueError(f"choice must be a non-empty list of non-empty strings; {problem}")
             self.choice = list(self.choice)
 
     @property

@@ -61,7 +61,9 @@ def regex_allowed(texts: list[str | None], done: str, eos: int) -> set[int]:
     ({"json": 3}, "json must be"),
     ({"regex": ""}, "regex must be"),
     ({"choice": []}, "choice must be"),
-    ({"choice": ["a", 1]}, "choice must be"),
+    ({"choice": ["a", 1]}, "choice must be.*entry 1 is 1$"),
+    ({"choice": [f"c{i}" for i in range(50000)] + [""]}, "choice must be.*entry 50000 is ''$"),   # not the whole list
+    ({"choice": "abc"}, "choice must be.*got str"),
 ])
 def test_params_name_the_bad_field(kw, message):
     with pytest.raises(ValueError, match=message):
