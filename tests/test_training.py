@@ -406,6 +406,7 @@ if dist.get_rank() == 0:
     json.dump({"world": summary["world_size"], "max_diff": max(float((g - flat).abs().max()) for g in gathered),
                "before": summary["val_before"]["loss"], "after": summary["val_after"]["loss"],
                "tokens_seen": summary["tokens_seen"]}, open(out + "/ddp.json", "w"))
+dist.destroy_process_group()   # as train_head's docstring asks of its callers
 """
 
 

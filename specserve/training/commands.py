@@ -237,6 +237,8 @@ def run_train_head(args: argparse.Namespace) -> int:
     summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg, device=device,
                                stop_at_step=args.stop_at_step)
     del loaded, w, embed, head
+    if _end_process_group() > 0:
+        return 0   # rank 0 wrote the head; it alone plots and evaluates it
     if not summary["complete"]:
         print(f"stopped at step {args.stop_at_step} of {cfg.num_steps}: {out / 'checkpoint.pt'} holds the run; "
               f"rerun the command without --stop-at-step to finish it", flush=True)
@@ -254,6 +256,19 @@ def run_train_head(args: argparse.Namespace) -> int:
         summary["engine_eval"] = result
         (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0
+
+
+def _end_process_group() -> int:
+    """End torchrun's process group, if training made one, once every rank is done (a process that
+    exits with it alive can abort in gloo's threads). Returns this process's rank (0 without one)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    rank = dist.get_rank()
+    dist.barrier()
+    dist.destroy_process_group()
+    return rank
 
 
 def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str,

@@ -336,7 +336,10 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
                lm_head_weight: torch.Tensor, cfg: TrainConfig, device: str = "cpu",
                progress: bool = True, stop_at_step: int | None = None) -> tuple[dict, DraftHead]:
     """Train a head on the hidden states in ``data_dir``; write it to ``out_dir``. Resumes from
-    ``out_dir/checkpoint.pt`` when a run with the same settings left one there.
+    ``out_dir/checkpoint.pt`` when a run with the same settings left one there. Under torchrun
+    (``WORLD_SIZE`` > 1) it joins the default process group, creating it when needed; the caller
+    ends it (``torch.distributed.destroy_process_group()``) before the process exits, else gloo's
+    threads can abort the exit ("terminate called without an active exception").
 
     Args:
         target_config: the target's :class:`~specserve.config.ModelConfig` (the head's shape).
