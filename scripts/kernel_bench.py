@@ -1,11 +1,11 @@
 """Time the int4 / int8 kernels of this checkout against those of another commit, side by side.
 
-    python scripts/kernel_bench.py [--against COMMIT] [--threads 2]
+    python scripts/kernel_bench.py [--against COMMIT] [--threads 2] [--rounds 15]
 
-Both builds run in one process, alternating per case (median of 5 repeats of max(3, 200 / M) calls,
-activation quantization included), on random weights of the 1.5B target's shapes. The weights'
-integers are random bytes to the timing, so one quantized tensor serves both orders. Prints ms per
-call, old / new. Run it alone: two torch processes on two cores slow each other far more than 2x.
+Both builds run in one process, alternating batches of max(3, 100 / M) calls within each case
+(median over --rounds alternations, activation quantization included), on random weights of the
+1.5B target's shapes. The weights' integers are random bytes to the timing, so one quantized
+tensor serves both orders. Prints ms per call, old / new. Run it alone: two torch processes on two cores slow each other far more than 2x.
 """
 import argparse
 import statistics
@@ -31,28 +31,33 @@ def build_other(commit: str):
     return build_quant_ops(vnni=cpu_has_vnni(), source=path)
 
 
-def time_call(ops, layout, q, x, out) -> float:
-    def run():
+def time_pair(builds, layout, q, x, out, rounds: int) -> list[float]:
+    """Median seconds per call of each build, the builds alternating call batch by call batch for
+    ``rounds`` rounds (so the machine's drift hits them alike)."""
+    def run(ops):
         xq, dx, bsum = ops.quantize_rows(x)
         if layout == "int4":
             ops.q4_matmul(xq, dx, bsum, q.qs, q.sc, q.mn, q.d, q.dmin, None, out, 0)
         else:
             ops.q8_matmul(xq, dx, q.qs, q.sc, q.d, None, out, 0)
-    for _ in range(3):
-        run()
-    reps, times = max(3, 200 // x.shape[0]), []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(reps):
-            run()
-        times.append((time.perf_counter() - t) / reps)
-    return statistics.median(times)
+    for ops in builds:
+        for _ in range(3):
+            run(ops)
+    reps, times = max(3, 100 // x.shape[0]), [[] for _ in builds]
+    for _ in range(rounds):
+        for ops, t_ops in zip(builds, times):
+            t = time.perf_counter()
+            for _ in range(reps):
+                run(ops)
+            t_ops.append((time.perf_counter() - t) / reps)
+    return [statistics.median(t) for t in times]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", default="31577c4", help="the commit whose kernel is 'old' (default: the GGUF-order kernel)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15, help="alternations of the two builds per case")
     args = ap.parse_args()
     old, new = build_other(args.against), quant_ops()
     torch.manual_seed(0)
@@ -64,7 +69,7 @@ def main():
             q, cells = quantize(w, layout), []
             for m in ROWS:
                 x, out = torch.randn(m, k), torch.empty(m, n)
-                t_old, t_new = time_call(old, layout, q, x, out), time_call(new, layout, q, x, out)
+                t_old, t_new = time_pair((old, new), layout, q, x, out, args.rounds)
                 cells.append(f"{t_old * 1e3:.3g} / {t_new * 1e3:.3g}")
             print(f"| {n} x {k} | {layout} | " + " | ".join(cells) + " |", flush=True)
 

@@ -116,22 +116,26 @@ def test_result_independent_of_thread_count(layout):
 
 @pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
 @pytest.mark.parametrize("k", [1536, 896])
-def test_vnni_and_avx2_kernels_give_the_same_bits(k):
-    """The VNNI dot product (scales applied per lane after the superblock) and the AVX2 one
-    (scales folded into vpmaddwd) sum the same integers: equal outputs, bit for bit, in whole and
-    short superblocks, for both layouts."""
-    vnni, avx2 = build_quant_ops(vnni=True), build_quant_ops(vnni=False)
-    x = _inputs(7, k)
-    w4, w8 = quantize(_weight(40, k), "int4"), quantize(_weight(40, k, 2), "int8")
+@pytest.mark.parametrize("m", [7, 21])
+def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
+    """The VNNI dot product (scales applied per lane after the superblock; int4's whole superblocks
+    on 64-byte vectors or on 32-byte ones) and the AVX2 one (scales folded into vpmaddwd) sum the
+    same integers: equal outputs, bit for bit, in whole and short superblocks, for both layouts,
+    with one weight row per pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16,
+    and 41 leaves one alone)."""
+    builds = (build_quant_ops(vnni=True, zmm=True), build_quant_ops(vnni=True, zmm=False), build_quant_ops(vnni=False))
+    x = _inputs(m, k)
+    w4, w8 = quantize(_weight(41, k), "int4"), quantize(_weight(41, k, 2), "int8")
     outs = []
-    for ops in (vnni, avx2):
+    for ops in builds:
         xq, dx, bsum = ops.quantize_rows(x)
-        o4, o8 = torch.empty(7, 40), torch.empty(7, 40)
+        o4, o8 = torch.empty(m, 41), torch.empty(m, 41)
         ops.q4_matmul(xq, dx, bsum, w4.qs, w4.sc, w4.mn, w4.d, w4.dmin, None, o4, 0)
         ops.q8_matmul(xq, dx, w8.qs, w8.sc, w8.d, None, o8, 0)
         outs.append((xq, o4, o8))
-    for a, b in zip(*outs):
-        assert torch.equal(a, b)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
     assert outs[0][1].abs().max() > 0 and outs[0][2].abs().max() > 0
 
 
@@ -140,20 +144,21 @@ def test_int4_integer_sums_at_their_extremes(k):
     """Every weight at 15 (the top nibble), every sub-block scale and min at 255 and activations at
     +-127 after quantization: the largest integer sums the AVX2 int4 kernel forms (it adds a
     superblock's pair products as int16, 8 x 3,810 per lane) still match the float64 oracle, in whole
-    and short superblocks, for both signs (the AVX2 build also where the CPU has VNNI)."""
+    and short superblocks, for both signs; the AVX2 build everywhere, both VNNI builds (int4 on 64-
+    and on 32-byte vectors) where the CPU has them."""
     n, s = 6, (k + 255) // 256
     w = QuantizedTensor("int4", torch.full((n, k // 2), 0xFF, dtype=torch.uint8),
                         torch.full((n, k // 32), 255, dtype=torch.uint8), torch.full((n, k // 32), 255, dtype=torch.uint8),
                         torch.ones(n, s), torch.ones(n, s) * torch.arange(n).view(n, 1) / 5)
     x = torch.stack([torch.full((k,), 127.0), torch.full((k,), -127.0)])
-    ops = build_quant_ops(vnni=False)
-    xq, dx, bsum = ops.quantize_rows(x)
-    got = torch.empty(2, n)
-    ops.q4_matmul(xq, dx, bsum, w.qs, w.sc, w.mn, w.d, w.dmin, None, got, 0)
     ref = reference_matmul(x, w)
-    got = got.double()
     assert ref[0, 0] == 127 * 15 * 255 * k   # every dot product at its largest: the oracle is exact here
-    assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()
+    vnni = [build_quant_ops(vnni=True, zmm=z) for z in (True, False)] if cpu_has_vnni() else []
+    for ops in [build_quant_ops(vnni=False)] + vnni:
+        xq, dx, bsum = ops.quantize_rows(x)
+        got = torch.empty(2, n)
+        ops.q4_matmul(xq, dx, bsum, w.qs, w.sc, w.mn, w.d, w.dmin, None, got, 0)
+        assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -38,18 +38,35 @@ def cpu_supports_quantized() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def cpu_has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI with 256-bit vectors (AVX512VL), which the kernels use
-    when present (read from ``/proc/cpuinfo``; False where it cannot be read)."""
+def _cpu_info() -> tuple[str, set[str]]:
+    """``(vendor_id, flags)`` of the first CPU in ``/proc/cpuinfo`` (``("", set())`` where it cannot
+    be read)."""
+    vendor, flags = "", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
+                if line.startswith("vendor_id") and not vendor:
+                    vendor = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    return vendor, set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return vendor, flags
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI with 256-bit vectors (AVX512VL), which the kernels use
+    when present (read from ``/proc/cpuinfo``; False where it cannot be read)."""
+    return {"avx512_vnni", "avx512vl", "avx512bw"} <= _cpu_info()[1]
+
+
+def cpu_runs_512bit_at_full_width() -> bool:
+    """Whether the int4 kernel should take whole superblocks on 512-bit vectors: Intel's AVX-512
+    CPUs execute them at full width (plain decode 1.07-1.10x on a Sapphire Rapids with AMX, same
+    bits), AMD's Zen 4 splits each into two 256-bit halves, where the same idea measured no faster
+    for few rows and slower for many (BENCHMARKS.md, "The kernels on AVX-512 VNNI")."""
+    vendor, flags = _cpu_info()
+    return vendor == "GenuineIntel" and {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
 
 
 def quant_ops():
@@ -82,10 +99,12 @@ def _load_once(name: str, what: str, advice: str, build):
         return _modules[name]
 
 
-def build_quant_ops(vnni: bool, source: Path = _SOURCE):
+def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None):
     """Compile (or load from the on-disk cache) the kernels, with the AVX-512 VNNI dot product or
-    the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``source``:
-    another version of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
+    the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``zmm``
+    (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): int4's whole superblocks on 512-bit
+    vectors, the same integers again. ``source``: another version of ``quant_linear.cpp``
+    (``scripts/kernel_bench.py`` times one against this).
 
     Raises:
         KernelUnavailableError: the extension does not build (the compiler's last line).
@@ -93,6 +112,8 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE):
     flags = list(_AVX2_FLAGS)
     if vnni:   # vpdpbusd: one instruction per 32 products instead of three (same integers)
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
+        if cpu_runs_512bit_at_full_width() if zmm is None else zmm:
+            flags.append("-DSPECSERVE_INT4_ZMM")
     return _build(Path(source), flags, "quant_linear", "or use quantization 'none'")
 
 
