@@ -163,9 +163,9 @@ __attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, co
 // contiguous activation bytes. Lane j of the 512-bit sum holds block j mod 8 of one half; the two
 // halves are added at the end. Integer sums are exact in any order, so isum is q4_super's, bit
 // for bit, and so is everything computed from it. Built where 512-bit instructions run at full
-// width (Intel; specserve.kernels.cpu_runs_512bit_at_full_width): decode 1.07-1.10x there.
+// width (Intel; specserve.kernels.cpu_runs_512bit_at_full_width), with q4_rows_zmm.
 template <int R, int NB>
-__attribute__((always_inline)) inline void q4_super512(__m256i* isum, const uint8_t* const* wq, const int8_t* xs,
+__attribute__((always_inline)) inline void q4_super512(__m256* fsum, const uint8_t* const* wq, const int8_t* xs,
                                                        int64_t K, const __m256i* scv) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   __m512i acc[NB * R];
@@ -187,14 +187,28 @@ __attribute__((always_inline)) inline void q4_super512(__m256i* isum, const uint
       }
     }
   }
-  for (int b = 0; b < NB; ++b)
+  // the scale multiplies as a float: the sum, the scale and their product are integers below 2^24
+  // (see q4_rows), so exact, and one vmulps costs less than Intel's two-uop vpmulld
+  for (int b = 0; b < NB; ++b) {
+    const __m256 scf = _mm256_cvtepi32_ps(scv[b]);
     for (int r = 0; r < R; ++r) {
       const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[b * R + r]),
                                            _mm512_extracti64x4_epi64(acc[b * R + r], 1));
-      isum[b * R + r] = _mm256_mullo_epi32(sum, scv[b]);
+      fsum[b * R + r] = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scf);
     }
+  }
 }
 #endif
+
+// Superblock k0's packed weights and sub-block scales (as int32 lanes) of weight rows n..n+NB-1.
+template <int NB>
+__attribute__((always_inline)) inline void q4_weight_rows(const uint8_t** wq, __m256i* scv, int64_t n, int64_t K,
+                                                          int64_t k0, int64_t nsub, const uint8_t* qs, const uint8_t* sc) {
+  for (int b = 0; b < NB; ++b) {
+    wq[b] = qs + (n + b) * (K / 2) + k0 / 2;
+    scv[b] = lanes_u8(sc + (n + b) * (K / 32) + k0 / 32, nsub);
+  }
+}
 
 // One int4 output block: activation rows r0..r0+R-1 against weight rows n..n+NB-1.
 template <int R, int NB>
@@ -209,16 +223,9 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
     const int8_t* xs = xq + r0 * K + k0;
     const uint8_t* wq[NB];
     __m256i scv[NB];
-    for (int b = 0; b < NB; ++b) {
-      wq[b] = qs + (n + b) * (K / 2) + k0 / 2;
-      scv[b] = lanes_u8(sc + (n + b) * (K / 32) + j0, nsub);
-    }
+    q4_weight_rows<NB>(wq, scv, n, K, k0, nsub, qs, sc);
     __m256i isum[NB * R];
-#if defined(SPECSERVE_INT4_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (nsub == 8) q4_super512<R, NB>(isum, wq, xs, K, scv);
-#else
     if (nsub == 8) q4_super<R, NB>(isum, 32, wq, xs, K, scv);
-#endif
     else q4_super<R, NB>(isum, 4 * nsub, wq, xs, K, scv);
     // lane j: block j's scaled integer sum (|.| < 32 * 15 * 127 * 255 < 2^24: exact as a float);
     // the mins times the rows' block sums likewise (|.| < 255 * 32 * 127 < 2^24), so their float
@@ -243,6 +250,69 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
       out[(r0 + r) * ldo + n + b] = (hsum8(acc[b * R + r]) - hsum8(macc[b * R + r])) + bb;
   }
 }
+
+#if defined(SPECSERVE_INT4_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// [lo | hi] as one 512-bit vector, and its halves back.
+inline __m512 join(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m256 upper(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// q4_rows on 512-bit vectors: q4_super512 for whole superblocks, and the float work of two
+// activation rows per vector (rows 2p and 2p + 1 in the low and high halves; an odd last row
+// fills both). Every lane does q4_rows' operations on q4_rows' values, in the same order: the
+// products dw * ds and dm * ds are the same single roundings as vectors, mv * bv is exact, so
+// each output has q4_rows' bits.
+template <int R, int NB>
+inline void q4_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
+                        const float* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
+                        const float* d, const float* dmin, const float* bias, float* out, int64_t ldo) {
+  constexpr int P = (R + 1) / 2;
+  auto row_b = [](int p) { return std::min(2 * p + 1, R - 1); };
+  __m512 acc[NB * P], macc[NB * P];
+  for (int i = 0; i < NB * P; ++i) { acc[i] = _mm512_setzero_ps(); macc[i] = _mm512_setzero_ps(); }
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t k0 = s * kSuper, j0 = k0 / 32;
+    const int64_t nsub = std::min(kSuper, K - k0) / 32;
+    const int8_t* xs = xq + r0 * K + k0;
+    const uint8_t* wq[NB];
+    __m256i scv[NB];
+    q4_weight_rows<NB>(wq, scv, n, K, k0, nsub, qs, sc);
+    __m256 fsum[NB * R];   // q4_rows' converted isum (exact either way, see q4_super512)
+    if (nsub == 8) {
+      q4_super512<R, NB>(fsum, wq, xs, K, scv);
+    } else {
+      __m256i isum[NB * R];
+      q4_super<R, NB>(isum, 4 * nsub, wq, xs, K, scv);
+      for (int i = 0; i < NB * R; ++i) fsum[i] = _mm256_cvtepi32_ps(isum[i]);
+    }
+    __m512 bv[P], ds[P];
+    for (int p = 0; p < P; ++p) {
+      const int ra = 2 * p, rb = row_b(p);
+      bv[p] = join(lanes_f32(bsum + (r0 + ra) * (K / 32) + j0, nsub), lanes_f32(bsum + (r0 + rb) * (K / 32) + j0, nsub));
+      ds[p] = join(_mm256_set1_ps(dx[(r0 + ra) * S + s]), _mm256_set1_ps(dx[(r0 + rb) * S + s]));
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m256 mv8 = _mm256_cvtepi32_ps(lanes_u8(mn + (n + b) * (K / 32) + j0, nsub));
+      const __m512 mv = join(mv8, mv8);
+      const __m512 dw = _mm512_set1_ps(d[(n + b) * S + s]), dm = _mm512_set1_ps(dmin[(n + b) * S + s]);
+      for (int p = 0; p < P; ++p) {
+        const __m512 f = join(fsum[b * R + 2 * p], fsum[b * R + row_b(p)]);
+        acc[b * P + p] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, ds[p]), acc[b * P + p]);
+        macc[b * P + p] = _mm512_fmadd_ps(_mm512_mul_ps(mv, bv[p]), _mm512_mul_ps(dm, ds[p]), macc[b * P + p]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const float bb = bias ? bias[n + b] : 0.0f;
+    for (int p = 0; p < P; ++p) {
+      const __m512 a = acc[b * P + p], m = macc[b * P + p];
+      out[(r0 + 2 * p) * ldo + n + b] = (hsum8(_mm512_castps512_ps256(a)) - hsum8(_mm512_castps512_ps256(m))) + bb;
+      if (2 * p + 1 < R) out[(r0 + 2 * p + 1) * ldo + n + b] = (hsum8(upper(a)) - hsum8(upper(m))) + bb;
+    }
+  }
+}
+#endif
 
 // One int8 superblock: vector t < 4 holds, in lane j, values of 16-value sub-block 2j, vector
 // t >= 4 of sub-block 2j + 1, so the even scales (se) weigh the first four, the odd (so) the rest.
@@ -465,7 +535,11 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
   for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
+#if defined(SPECSERVE_INT4_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    q4_rows_zmm<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
+#else
     q4_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
+#endif
   });
 }
 
