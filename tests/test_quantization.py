@@ -118,8 +118,8 @@ def test_result_independent_of_thread_count(layout):
 @pytest.mark.parametrize("k", [1536, 896])
 @pytest.mark.parametrize("m", [7, 21])
 def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
-    """The VNNI dot product (scales applied per lane after the superblock; int4's whole superblocks
-    on 64-byte vectors or on 32-byte ones) and the AVX2 one (scales folded into vpmaddwd) sum the
+    """The VNNI dot product (scales applied per lane after the superblock; whole superblocks on
+    64-byte vectors or on 32-byte ones) and the AVX2 one (scales folded into vpmaddwd) sum the
     same integers: equal outputs, bit for bit, in whole and short superblocks, for both layouts,
     with one weight row per pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16,
     and 41 leaves one alone)."""

@@ -61,8 +61,8 @@ def cpu_has_vnni() -> bool:
 
 
 def cpu_runs_512bit_at_full_width() -> bool:
-    """Whether the int4 kernel should run on 512-bit vectors (whole superblocks' dot products,
-    and the float work of two rows per vector): Intel's AVX-512 CPUs execute them at full width
+    """Whether the kernels should run on 512-bit vectors (int4: whole superblocks' dot products
+    and the float work of two rows per vector; int8: one weight row's dot products): Intel's AVX-512 CPUs execute them at full width
     (plain decode 1.10x, `mtp` 1.12x, prefill 1.25x on a Xeon with AMX, same bits), AMD's Zen 4
     splits each into two 256-bit halves, where 512-bit dot products measured no faster for few rows
     and slower for many (BENCHMARKS.md, "512-bit int4 superblocks on Intel AVX-512")."""
@@ -103,7 +103,7 @@ def _load_once(name: str, what: str, advice: str, build):
 def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None):
     """Compile (or load from the on-disk cache) the kernels, with the AVX-512 VNNI dot product or
     the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``zmm``
-    (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): int4's whole superblocks on 512-bit
+    (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): whole superblocks on 512-bit
     vectors, the same integers again. ``source``: another version of ``quant_linear.cpp``
     (``scripts/kernel_bench.py`` times one against this).
 
@@ -114,7 +114,7 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None)
     if vnni:   # vpdpbusd: one instruction per 32 products instead of three (same integers)
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         if cpu_runs_512bit_at_full_width() if zmm is None else zmm:
-            flags.append("-DSPECSERVE_INT4_ZMM")
+            flags.append("-DSPECSERVE_ZMM")
     return _build(Path(source), flags, "quant_linear", "or use quantization 'none'")
 
 

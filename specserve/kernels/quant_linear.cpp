@@ -156,14 +156,15 @@ __attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, co
     for (int r = 0; r < R; ++r) isum[b * R + r] = q4_finish(isum[b * R + r], scv[b], sc16[b]);
 }
 
-#if defined(SPECSERVE_INT4_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // q4_super for a full superblock on 64-byte vectors: half the loads and dot-product instructions.
 // 64 weight bytes hold kernel-order vectors t = 4p, 4p + 2 (low nibbles) and 4p + 1, 4p + 3 (high);
 // two 128-bit lane shuffles regroup them as [4p | 4p + 1] and [4p + 2 | 4p + 3], the order of 64
 // contiguous activation bytes. Lane j of the 512-bit sum holds block j mod 8 of one half; the two
 // halves are added at the end. Integer sums are exact in any order, so isum is q4_super's, bit
 // for bit, and so is everything computed from it. Built where 512-bit instructions run at full
-// width (Intel; specserve.kernels.cpu_runs_512bit_at_full_width), with q4_rows_zmm.
+// width (Intel; specserve.kernels.cpu_runs_512bit_at_full_width), with q4_rows_zmm; the macro
+// SPECSERVE_ZMM also selects q8_super_signed512.
 template <int R, int NB>
 __attribute__((always_inline)) inline void q4_super512(__m256* fsum, const uint8_t* const* wq, const int8_t* xs,
                                                        int64_t K, const __m256i* scv) {
@@ -251,7 +252,7 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
   }
 }
 
-#if defined(SPECSERVE_INT4_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // [lo | hi] as one 512-bit vector, and its halves back.
 inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
@@ -336,6 +337,35 @@ __attribute__((always_inline)) inline void q8_super_signed(__m256i* isum, int64_
   for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se), finish_scale(oa[r], so));
 }
 
+#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// q8_super_signed for a full superblock on 64-byte vectors (vectors t = 2q, 2q + 1; both even
+// sub-blocks for q < 2, both odd after). AVX-512 has no vpsignb: |w| by vpabsb, and x negated
+// where w < 0 by a masked subtraction from zero (where w = 0, |w| = 0 makes the product 0 as
+// vpsignb's would). The same integer products, summed exactly: q8_super_signed's isum.
+template <int R>
+__attribute__((always_inline)) inline void q8_super_signed512(__m256i* isum, const int8_t* wq, const int8_t* xs,
+                                                              int64_t K, __m256i se, __m256i so) {
+  __m512i ea[R], oa[R];
+  for (int r = 0; r < R; ++r) { ea[r] = _mm512_setzero_si512(); oa[r] = _mm512_setzero_si512(); }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t q = 0; q < 4; ++q) {
+    const __m512i w = _mm512_loadu_si512(wq + 64 * q);
+    const __m512i aw = _mm512_abs_epi8(w);
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    for (int r = 0; r < R; ++r) {
+      const __m512i x = _mm512_loadu_si512(xs + r * K + 64 * q);
+      __m512i& acc = q < 2 ? ea[r] : oa[r];
+      acc = _mm512_dpbusd_epi32(acc, aw, _mm512_mask_sub_epi8(x, neg, zero, x));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256i e = _mm256_add_epi32(_mm512_castsi512_si256(ea[r]), _mm512_extracti64x4_epi64(ea[r], 1));
+    const __m256i o = _mm256_add_epi32(_mm512_castsi512_si256(oa[r]), _mm512_extracti64x4_epi64(oa[r], 1));
+    isum[r] = _mm256_add_epi32(finish_scale(e, se), finish_scale(o, so));
+  }
+}
+#endif
+
 // Several weight rows (VNNI only): the sign trick would cost a sign per row and activation, so
 // the activations go in offset by 128 (x ^ 0x80 = x + 128 as an unsigned byte), and 128 times
 // each lane's weight sum (one vpdpbusd by ones per weight vector, shared by all rows) comes off
@@ -345,6 +375,12 @@ __attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, co
                                                     const int8_t* xs, int64_t K, const __m256i* se,
                                                     const __m256i* so) {
   if constexpr (NB == 1) {
+#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (W == 32) {
+      q8_super_signed512<R>(isum, wq[0], xs, K, se[0], so[0]);
+      return;
+    }
+#endif
     q8_super_signed<R>(isum, W, wq[0], xs, K, se[0], so[0]);
   } else {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -535,7 +571,7 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
   for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
-#if defined(SPECSERVE_INT4_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
     q4_rows_zmm<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
 #else
     q4_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
