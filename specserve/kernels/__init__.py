@@ -62,10 +62,11 @@ def cpu_has_vnni() -> bool:
 
 def cpu_runs_512bit_at_full_width() -> bool:
     """Whether the kernels should run on 512-bit vectors (int4: whole superblocks' dot products
-    and the float work of two rows per vector; int8: one weight row's dot products): Intel's AVX-512 CPUs execute them at full width
-    (plain decode 1.10x, `mtp` 1.12x, prefill 1.25x on a Xeon with AMX, same bits), AMD's Zen 4
-    splits each into two 256-bit halves, where 512-bit dot products measured no faster for few rows
-    and slower for many (BENCHMARKS.md, "512-bit int4 superblocks on Intel AVX-512")."""
+    and the float work of two rows per vector; int8: one weight row's dot products). Intel's
+    AVX-512 CPUs execute them at full width (plain decode 1.10x, `mtp` 1.12x, prefill 1.25x on a
+    Xeon with AMX, same bits); AMD's Zen 4 splits each into two 256-bit halves, where 512-bit dot
+    products measured no faster for few rows and slower for many (BENCHMARKS.md, "512-bit int4
+    superblocks on Intel AVX-512")."""
     vendor, flags = _cpu_info()
     return vendor == "GenuineIntel" and {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
 
