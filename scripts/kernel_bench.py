@@ -5,7 +5,8 @@
 Both builds run in one process, alternating batches of max(3, 100 / M) calls within each case
 (median over --rounds alternations, activation quantization included), on random weights of the
 1.5B target's shapes. The weights' integers are random bytes to the timing, so one quantized
-tensor serves both orders. Prints ms per call, old / new. Run it alone: two torch processes on two cores slow each other far more than 2x.
+tensor serves both orders. Prints ms per call, old / new. Run it alone: two torch processes on two
+cores slow each other far more than 2x.
 """
 import argparse
 import statistics

@@ -37,6 +37,15 @@
 #include <cstdint>
 #include <cstring>
 
+// 512-bit paths (q4_super512, q4_rows_zmm, q8_super_signed512): built where the CPU runs 512-bit
+// instructions at full width (build_quant_ops defines SPECSERVE_ZMM where
+// specserve.kernels.cpu_runs_512bit_at_full_width).
+#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define KERNEL_ZMM 1
+#else
+#define KERNEL_ZMM 0
+#endif
+
 namespace {
 
 constexpr int64_t kSuper = 256;   // superblock length along k
@@ -156,15 +165,17 @@ __attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, co
     for (int r = 0; r < R; ++r) isum[b * R + r] = q4_finish(isum[b * R + r], scv[b], sc16[b]);
 }
 
-#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KERNEL_ZMM
+// The two 256-bit halves of v added lane by lane (exact int32 sums).
+inline __m256i add_halves(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
 // q4_super for a full superblock on 64-byte vectors: half the loads and dot-product instructions.
 // 64 weight bytes hold kernel-order vectors t = 4p, 4p + 2 (low nibbles) and 4p + 1, 4p + 3 (high);
 // two 128-bit lane shuffles regroup them as [4p | 4p + 1] and [4p + 2 | 4p + 3], the order of 64
 // contiguous activation bytes. Lane j of the 512-bit sum holds block j mod 8 of one half; the two
 // halves are added at the end. Integer sums are exact in any order, so isum is q4_super's, bit
 // for bit, and so is everything computed from it. Built where 512-bit instructions run at full
-// width (Intel; specserve.kernels.cpu_runs_512bit_at_full_width), with q4_rows_zmm; the macro
-// SPECSERVE_ZMM also selects q8_super_signed512.
+// width (KERNEL_ZMM), with q4_rows_zmm.
 template <int R, int NB>
 __attribute__((always_inline)) inline void q4_super512(__m256* fsum, const uint8_t* const* wq, const int8_t* xs,
                                                        int64_t K, const __m256i* scv) {
@@ -193,9 +204,7 @@ __attribute__((always_inline)) inline void q4_super512(__m256* fsum, const uint8
   for (int b = 0; b < NB; ++b) {
     const __m256 scf = _mm256_cvtepi32_ps(scv[b]);
     for (int r = 0; r < R; ++r) {
-      const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(acc[b * R + r]),
-                                           _mm512_extracti64x4_epi64(acc[b * R + r], 1));
-      fsum[b * R + r] = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scf);
+      fsum[b * R + r] = _mm256_mul_ps(_mm256_cvtepi32_ps(add_halves(acc[b * R + r])), scf);
     }
   }
 }
@@ -252,7 +261,7 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
   }
 }
 
-#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KERNEL_ZMM
 // [lo | hi] as one 512-bit vector, and its halves back.
 inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
@@ -337,7 +346,7 @@ __attribute__((always_inline)) inline void q8_super_signed(__m256i* isum, int64_
   for (int r = 0; r < R; ++r) isum[r] = _mm256_add_epi32(finish_scale(ea[r], se), finish_scale(oa[r], so));
 }
 
-#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KERNEL_ZMM
 // q8_super_signed for a full superblock on 64-byte vectors (vectors t = 2q, 2q + 1; both even
 // sub-blocks for q < 2, both odd after). AVX-512 has no vpsignb: |w| by vpabsb, and x negated
 // where w < 0 by a masked subtraction from zero (where w = 0, |w| = 0 makes the product 0 as
@@ -358,11 +367,8 @@ __attribute__((always_inline)) inline void q8_super_signed512(__m256i* isum, con
       acc = _mm512_dpbusd_epi32(acc, aw, _mm512_mask_sub_epi8(x, neg, zero, x));
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m256i e = _mm256_add_epi32(_mm512_castsi512_si256(ea[r]), _mm512_extracti64x4_epi64(ea[r], 1));
-    const __m256i o = _mm256_add_epi32(_mm512_castsi512_si256(oa[r]), _mm512_extracti64x4_epi64(oa[r], 1));
-    isum[r] = _mm256_add_epi32(finish_scale(e, se), finish_scale(o, so));
-  }
+  for (int r = 0; r < R; ++r)
+    isum[r] = _mm256_add_epi32(finish_scale(add_halves(ea[r]), se), finish_scale(add_halves(oa[r]), so));
 }
 #endif
 
@@ -375,7 +381,7 @@ __attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, co
                                                     const int8_t* xs, int64_t K, const __m256i* se,
                                                     const __m256i* so) {
   if constexpr (NB == 1) {
-#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KERNEL_ZMM
     if (W == 32) {
       q8_super_signed512<R>(isum, wq[0], xs, K, se[0], so[0]);
       return;
@@ -571,7 +577,7 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
   for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
-#if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if KERNEL_ZMM
     q4_rows_zmm<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
 #else
     q4_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
