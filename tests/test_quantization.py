@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.kernels import build_quant_ops, cpu_has_vnni, cpu_supports_quantized
+from specserve.kernels import build_quant_ops, cpu_has_amx, cpu_has_vnni, cpu_supports_quantized
 from specserve.models.linear import QuantizedLinear, make_linear
 from specserve.models.quantization import (QuantizedTensor, from_gguf, kernel_order, layout_for, natural_order,
                                           pack_int4, quantize, quantize_rows_reference, reference_matmul, unpack_int4)
@@ -81,8 +81,9 @@ def test_kernel_order_transposes_groups_of_four(k):
 
 @pytest.mark.parametrize("layout", LAYOUTS + ["mixed"])
 def test_rows_bitwise_independent_of_row_count(layout):
-    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17 (with
-    VNNI, calls of 16 rows or more pair the weight rows: the bits stay the same)."""
+    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17 and
+    31..40 (with VNNI, calls of 16 rows or more pair the weight rows; with AMX, int4 calls of 32
+    rows or more run on tiles: the bits stay the same)."""
     k = 1536
     if layout == "mixed":  # a fused q/k/v: q, k int4 (Q4_K) and v int8 (Q6_K)
         lin = make_linear([quantize(_weight(64, k, 1), "int4"), quantize(_weight(32, k, 2), "int4"),
@@ -90,11 +91,11 @@ def test_rows_bitwise_independent_of_row_count(layout):
         assert [p.layout for p in lin.parts] == ["int4", "int8"]
     else:
         lin = make_linear([_weight(72, k)], torch.randn(72), layout)
-    x = _inputs(17, k)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(17)])
-    for m in range(1, 18):
+    x = _inputs(40, k)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    for m in list(range(1, 18)) + list(range(31, 41)):
         assert torch.equal(lin(x[:m]), alone[:m]), m
-        assert torch.equal(lin(x[17 - m:]), alone[17 - m:]), m  # rows at other places in the batch
+        assert torch.equal(lin(x[40 - m:]), alone[40 - m:]), m  # rows at other places in the batch
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -102,7 +103,7 @@ def test_result_independent_of_thread_count(layout):
     """An odd number of weight rows: with VNNI the kernels pair weight rows, and a thread's range
     may end on a row left alone, a different one for each thread count; the bits stay the same."""
     lin = make_linear([_weight(75, 1536)], None, layout)
-    x = _inputs(20, 1536)   # enough rows for the pairing (kPairMinRows)
+    x = _inputs(36, 1536)   # enough rows for the pairing (kPairMinRows) and the AMX tiles (kAmxMinRows)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -115,15 +116,19 @@ def test_result_independent_of_thread_count(layout):
 
 
 @pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
-@pytest.mark.parametrize("k", [1536, 896])
-@pytest.mark.parametrize("m", [7, 21])
+@pytest.mark.parametrize("k", [1536, 896, 2304])
+@pytest.mark.parametrize("m", [7, 21, 37])
 def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
     """The VNNI dot product (scales applied per lane after the superblock; whole superblocks on
-    64-byte vectors or on 32-byte ones) and the AVX2 one (scales folded into vpmaddwd) sum the
-    same integers: equal outputs, bit for bit, in whole and short superblocks, for both layouts,
-    with one weight row per pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16,
-    and 41 leaves one alone)."""
-    builds = (build_quant_ops(vnni=True, zmm=True), build_quant_ops(vnni=True, zmm=False), build_quant_ops(vnni=False))
+    64-byte vectors or on 32-byte ones), the AVX2 one (scales folded into vpmaddwd) and, where
+    the CPU has them, AMX tiles (int4, 32 rows or more) sum the same integers: equal outputs, bit
+    for bit, in whole and short superblocks, for both layouts, with one weight row per pass (7
+    rows) and with two (21 rows: VNNI pairs weight rows from 16, and 41 leaves one alone); with
+    AMX, 37 rows (a 32-row block and a mostly empty one), weight rows 0-31 on tiles and the 9
+    others on vectors, and 2304 columns (nine superblocks: the tiles' float work in two passes)."""
+    amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
+    builds = amx + [build_quant_ops(vnni=True, zmm=True, amx=False), build_quant_ops(vnni=True, zmm=False),
+                    build_quant_ops(vnni=False)]
     x = _inputs(m, k)
     w4, w8 = quantize(_weight(41, k), "int4"), quantize(_weight(41, k, 2), "int8")
     outs = []
@@ -145,18 +150,20 @@ def test_int4_integer_sums_at_their_extremes(k):
     +-127 after quantization: the largest integer sums the AVX2 int4 kernel forms (it adds a
     superblock's pair products as int16, 8 x 3,810 per lane) still match the float64 oracle, in whole
     and short superblocks, for both signs; the AVX2 build everywhere, both VNNI builds (int4 on 64-
-    and on 32-byte vectors) where the CPU has them."""
-    n, s = 6, (k + 255) // 256
+    and on 32-byte vectors) where the CPU has them, and the AMX one (34 rows, 38 weight rows: 32 of
+    them on tiles) where it has those."""
+    n, s = 38, (k + 255) // 256
     w = QuantizedTensor("int4", torch.full((n, k // 2), 0xFF, dtype=torch.uint8),
                         torch.full((n, k // 32), 255, dtype=torch.uint8), torch.full((n, k // 32), 255, dtype=torch.uint8),
                         torch.ones(n, s), torch.ones(n, s) * torch.arange(n).view(n, 1) / 5)
-    x = torch.stack([torch.full((k,), 127.0), torch.full((k,), -127.0)])
+    x = torch.stack([torch.full((k,), 127.0), torch.full((k,), -127.0)] * 17)
     ref = reference_matmul(x, w)
     assert ref[0, 0] == 127 * 15 * 255 * k   # every dot product at its largest: the oracle is exact here
-    vnni = [build_quant_ops(vnni=True, zmm=z) for z in (True, False)] if cpu_has_vnni() else []
-    for ops in [build_quant_ops(vnni=False)] + vnni:
+    vnni = [build_quant_ops(vnni=True, zmm=z, amx=False) for z in (True, False)] if cpu_has_vnni() else []
+    amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
+    for ops in [build_quant_ops(vnni=False)] + vnni + amx:
         xq, dx, bsum = ops.quantize_rows(x)
-        got = torch.empty(2, n)
+        got = torch.empty(34, n)
         ops.q4_matmul(xq, dx, bsum, w.qs, w.sc, w.mn, w.d, w.dmin, None, got, 0)
         assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
 

@@ -71,6 +71,14 @@ def cpu_runs_512bit_at_full_width() -> bool:
     return vendor == "GenuineIntel" and {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX int8 tiles (Intel Sapphire Rapids and later), which the int4 kernel
+    uses for calls of many rows (prefill): the same integer sums, so the same bits. The kernel
+    also asks Linux for the tiles' state at run time and keeps to vector instructions where it is
+    refused."""
+    return {"amx_tile", "amx_int8"} <= _cpu_info()[1] and cpu_runs_512bit_at_full_width()
+
+
 def quant_ops():
     """The compiled extension module (``quantize_rows``, ``q4_matmul``, ``q8_matmul``).
 
@@ -101,12 +109,13 @@ def _load_once(name: str, what: str, advice: str, build):
         return _modules[name]
 
 
-def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None):
+def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None, amx: bool | None = None):
     """Compile (or load from the on-disk cache) the kernels, with the AVX-512 VNNI dot product or
     the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``zmm``
     (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): whole superblocks on 512-bit
-    vectors, the same integers again. ``source``: another version of ``quant_linear.cpp``
-    (``scripts/kernel_bench.py`` times one against this).
+    vectors, the same integers again. ``amx`` (with ``zmm`` only; default :func:`cpu_has_amx`):
+    int4 calls of 16 rows or more on AMX tiles, the same bits again. ``source``: another version
+    of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
 
     Raises:
         KernelUnavailableError: the extension does not build (the compiler's last line).
@@ -116,6 +125,8 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None)
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         if cpu_runs_512bit_at_full_width() if zmm is None else zmm:
             flags.append("-DSPECSERVE_ZMM")
+            if cpu_has_amx() if amx is None else amx:
+                flags += ["-mamx-tile", "-mamx-int8", "-DSPECSERVE_AMX"]
     return _build(Path(source), flags, "quant_linear", "or use quantization 'none'")
 
 

@@ -45,6 +45,16 @@
 #else
 #define KERNEL_ZMM 0
 #endif
+// AMX int8 tiles (q4_amx) for calls of many rows: where build_quant_ops defines SPECSERVE_AMX
+// (specserve.kernels.cpu_has_amx) on top of the 512-bit build.
+#if KERNEL_ZMM && defined(SPECSERVE_AMX) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define KERNEL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <vector>
+#else
+#define KERNEL_AMX 0
+#endif
 
 namespace {
 
@@ -473,15 +483,15 @@ inline void for_row_groups(int64_t m0, int64_t m1, F&& f) {
   }
 }
 
-// f(R, NB, n, r) for every group of NB weight rows from n (split over threads; NB = kWeightRows
+// f(R, NB, n, r) for every group of NB weight rows from n (weight rows n0..N-1) (split over threads; NB = kWeightRows
 // when M >= kPairMinRows, else 1, and 1 for a thread's last odd row) and group of R activation
 // rows from r; activation rows in passes of kRowBlock so a thread's weight rows are re-read from
 // cache, not memory.
 template <typename F>
-void for_each_output(int64_t M, int64_t N, F&& f) {
-  if (M == 0 || N == 0) return;
+void for_each_output(int64_t M, int64_t N, F&& f, int64_t n0 = 0) {
+  if (M == 0 || N <= n0) return;
   const bool pair = kWeightRows > 1 && M >= kPairMinRows;
-  at::parallel_for(0, N, 16, [&](int64_t nb, int64_t ne) {
+  at::parallel_for(n0, N, 16, [&](int64_t nb, int64_t ne) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
       int64_t n = nb;
@@ -492,6 +502,216 @@ void for_each_output(int64_t M, int64_t N, F&& f) {
     }
   });
 }
+
+#if KERNEL_AMX
+// int4 calls of many rows on AMX tiles (Intel Sapphire Rapids and later). One tdpbusd multiplies
+// a 16 x 32 tile of one sub-block's weights (16 weight rows, unsigned nibbles) by the same
+// sub-block of 16 activation rows (int8), leaving 256 of the exact int32 block sums that q4_super
+// leaves in its lanes, 8,192 products per instruction. The float work then runs q4_rows' lane
+// operations on those integers, in q4_rows' order, with the 16 lanes of a vector holding 16
+// activation rows (one weight row, one sub-block) instead of 8 sub-blocks: every lane's operands
+// and operations are q4_rows', so every output has its bits. That work, not the dot products, is
+// most of the cost here: a convert, three multiplies and two fmas per 16 block sums.
+constexpr int64_t kAmxMinRows = 32;   // fewer rows leave most of the 32-row block empty (slower than q4_rows_zmm)
+constexpr int64_t kAmxWeightRows = 32;   // weight rows per group: two tiles of 16
+constexpr int64_t kAmxSuperblocks = 8;   // superblocks per pass of the float work (bounds the sums' buffer)
+
+// Linux grants the tiles' register state only on request, once per process.
+bool amx_usable() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// Palette 1: tiles 0-3 the int32 sums of 2 x 2 blocks of 16 weight rows x 16 activation rows,
+// 4 and 5 two weight tiles (16 rows x 32 bytes), 6 and 7 two activation tiles (8 rows of 16
+// activation rows x 4 bytes): four independent products per sub-block, each operand loaded once.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 32, 32, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};
+};
+
+// An 8 x 8 transpose of int32s: r[t] lane b -> r[b] lane t.
+inline void transpose8x8(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+  }
+}
+
+// The activations as tdpbusd's second operand: xb[((rb * S + s) * 8 + j) * 512 + t * 64 + 4r + i]
+// = row 16 rb + r's value 32j + 4t + i of superblock s (zero past M and past a short superblock's
+// blocks); dsT [S, Mp] and bvT [8S, Mp] the rows' scales and block sums, transposed (zero likewise).
+void amx_activations(int64_t M, int64_t Mp, int64_t K, int64_t S, const int8_t* xq, const float* dx,
+                     const float* bsum, uint8_t* xb, float* dsT, float* bvT) {
+  at::parallel_for(0, Mp / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t rb = b0; rb < b1; ++rb) {
+      for (int64_t r = 0; r < 16 && rb * 16 + r < M; ++r) {
+        const int64_t m = rb * 16 + r;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t k0 = s * kSuper, nsub = std::min(kSuper, K - k0) / 32;
+          const int8_t* src = xq + m * K + k0;
+          uint8_t* dst = xb + (rb * S + s) * 8 * 512 + 4 * r;
+          for (int64_t t = 0; t < 8; ++t)
+            for (int64_t j = 0; j < nsub; ++j) std::memcpy(dst + j * 512 + t * 64, src + (t * nsub + j) * 4, 4);
+          dsT[s * Mp + m] = dx[m * S + s];
+          for (int64_t j = 0; j < nsub; ++j) bvT[(s * 8 + j) * Mp + m] = bsum[m * (K / 32) + s * 8 + j];
+        }
+      }
+    }
+  });
+}
+
+// Weight rows n..n+31 as tdpbusd's first operand: wa[((s * 8 + b) * 32 + w) * 32 + 4t + i] = row
+// n + w's value 32b + 4t + i of superblock s (nibbles widened to bytes); scf and mnf [32, 8S]
+// their sub-block scales and mins as floats (zero past a short superblock's blocks).
+void amx_weights(int64_t n, int64_t K, int64_t S, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
+                 uint8_t* wa, float* scf, float* mnf) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t w = 0; w < kAmxWeightRows; ++w) {
+    const uint8_t* q = qs + (n + w) * (K / 2);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t k0 = s * kSuper, nsub = std::min(kSuper, K - k0) / 32, W = 4 * nsub;
+      __m256i r[8];   // kernel-order vectors t: lane b holds block b's values 4t..4t+3
+      for (int64_t u = 0; u < 4; ++u) {
+        const __m256i v = load32(q + k0 / 2 + u * W, W);
+        r[2 * u] = _mm256_and_si256(v, m4);
+        r[2 * u + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      }
+      transpose8x8(r);
+      for (int64_t b = 0; b < 8; ++b)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wa + ((s * 8 + b) * kAmxWeightRows + w) * 32), r[b]);
+      for (int64_t j = 0; j < 8; ++j) {
+        scf[w * 8 * S + s * 8 + j] = j < nsub ? sc[(n + w) * (K / 32) + s * 8 + j] : 0.0f;
+        mnf[w * 8 * S + s * 8 + j] = j < nsub ? mn[(n + w) * (K / 32) + s * 8 + j] : 0.0f;
+      }
+    }
+  }
+}
+
+// q4_rows' float work over superblocks s0..s1-1 for weight rows n..n+15 (their scales and mins
+// at rows w0.. of scf / mnf) and activation rows 16 rb..16 rb + 15, from block sums
+// c[(s - s0) * 8 + j) * 1024 + w * 16 + r]. The 16 partial sums per weight row carry over in acc
+// between passes; the last pass writes the rows below M.
+void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int64_t M, int64_t Mp, int64_t S,
+                 const int32_t* c, const float* scf, const float* mnf, const float* dsT, const float* bvT,
+                 const float* d, const float* dmin, const float* bias, float* accs, float* out, int64_t ldo) {
+  alignas(64) float res[16][16];
+  const bool first = s0 == 0, last = s1 == S;
+  for (int64_t w = 0; w < 16; ++w) {
+    __m512 acc[8], macc[8];
+    float* keep = accs + w * 256;
+    for (int j = 0; j < 8; ++j) {
+      acc[j] = first ? _mm512_setzero_ps() : _mm512_load_ps(keep + 16 * j);
+      macc[j] = first ? _mm512_setzero_ps() : _mm512_load_ps(keep + 128 + 16 * j);
+    }
+    const float* scw = scf + (w0 + w) * 8 * S;
+    const float* mnw = mnf + (w0 + w) * 8 * S;
+    for (int64_t s = s0; s < s1; ++s) {
+      const __m512 ds = _mm512_loadu_ps(dsT + s * Mp + rb * 16);
+      const __m512 dwds = _mm512_mul_ps(_mm512_set1_ps(d[(n + w) * S + s]), ds);
+      const __m512 dmds = _mm512_mul_ps(_mm512_set1_ps(dmin[(n + w) * S + s]), ds);
+      for (int j = 0; j < 8; ++j) {
+        const __m512i isum = _mm512_loadu_si512(c + ((s - s0) * 8 + j) * 1024 + w * 16);
+        const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scw[s * 8 + j]));
+        acc[j] = _mm512_fmadd_ps(f, dwds, acc[j]);
+        const __m512 mb = _mm512_mul_ps(_mm512_set1_ps(mnw[s * 8 + j]), _mm512_loadu_ps(bvT + (s * 8 + j) * Mp + rb * 16));
+        macc[j] = _mm512_fmadd_ps(mb, dmds, macc[j]);
+      }
+    }
+    if (!last) {
+      for (int j = 0; j < 8; ++j) { _mm512_store_ps(keep + 16 * j, acc[j]); _mm512_store_ps(keep + 128 + 16 * j, macc[j]); }
+      continue;
+    }
+    // hsum8's order over the 8 blocks: ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))
+    auto h = [](const __m512* a) {
+      return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[4]), _mm512_add_ps(a[2], a[6])),
+                           _mm512_add_ps(_mm512_add_ps(a[1], a[5]), _mm512_add_ps(a[3], a[7])));
+    };
+    const float bb = bias ? bias[n + w] : 0.0f;
+    _mm512_store_ps(res[w], _mm512_add_ps(_mm512_sub_ps(h(acc), h(macc)), _mm512_set1_ps(bb)));
+  }
+  if (!last) return;
+  for (int64_t r = 0; r < 16 && rb * 16 + r < M; ++r)
+    for (int64_t w = 0; w < 16; ++w) out[(rb * 16 + r) * ldo + n + w] = res[w][r];
+}
+
+// The int4 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles. Threads split the weight
+// rows in groups of 32; each widens a group's weights once per pass over up to ~768 KB of
+// activations (kept in its cache), and runs 32 x 32 blocks: per sub-block two weight and two
+// activation tiles, four products.
+void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq, const float* dx,
+                   const float* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d,
+                   const float* dmin, const float* bias, float* out, int64_t ldo) {
+  const int64_t Mp = (M + 31) / 32 * 32;
+  std::vector<uint8_t> xb(static_cast<size_t>(Mp / 16 * S * 8 * 512), 0);
+  std::vector<float> dsT(static_cast<size_t>(S * Mp), 0.0f), bvT(static_cast<size_t>(8 * S * Mp), 0.0f);
+  amx_activations(M, Mp, K, S, xq, dx, bsum, xb.data(), dsT.data(), bvT.data());
+  const int64_t chunk = std::max<int64_t>(32, std::min(Mp, (int64_t{768} * 1024 / K) / 32 * 32));
+  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
+    TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    std::vector<uint8_t> wa(static_cast<size_t>(S * 8 * kAmxWeightRows * 32));
+    std::vector<int32_t> c(static_cast<size_t>(kAmxSuperblocks * 8 * 1024));
+    std::vector<float> scf(static_cast<size_t>(kAmxWeightRows * 8 * S)), mnf(scf.size());
+    std::vector<float> accs(4 * 16 * 256 + 16);
+    float* acc_base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
+    for (int64_t m0 = 0; m0 < Mp; m0 += chunk) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n = g * kAmxWeightRows;
+        amx_weights(n, K, S, qs, sc, mn, wa.data(), scf.data(), mnf.data());
+        for (int64_t rb = m0 / 16; rb < std::min(Mp, m0 + chunk) / 16; rb += 2) {
+          for (int64_t s0 = 0; s0 < S; s0 += kAmxSuperblocks) {
+            const int64_t s1 = std::min(S, s0 + kAmxSuperblocks);
+            for (int64_t s = s0; s < s1; ++s) {
+              const int64_t nsub = std::min(kSuper, K - s * kSuper) / 32;
+              for (int64_t j = 0; j < 8; ++j) {
+                int32_t* cs = c.data() + ((s - s0) * 8 + j) * 1024;
+                if (j >= nsub) {   // a short superblock's missing blocks: zero sums
+                  std::memset(cs, 0, 1024 * sizeof(int32_t));
+                  continue;
+                }
+                const uint8_t* ws = wa.data() + (s * 8 + j) * kAmxWeightRows * 32;
+                const uint8_t* xs = xb.data() + (rb * S + s) * 8 * 512 + j * 512;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                _tile_loadd(4, ws, 32);
+                _tile_loadd(5, ws + 16 * 32, 32);
+                _tile_loadd(6, xs, 64);
+                _tile_loadd(7, xs + S * 8 * 512, 64);   // activation rows 16 (rb + 1)..
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+                _tile_stored(0, cs, 64);
+                _tile_stored(1, cs + 256, 64);
+                _tile_stored(2, cs + 512, 64);
+                _tile_stored(3, cs + 768, 64);
+              }
+            }
+            for (int64_t blk = 0; blk < 4; ++blk) {   // (weight tile, activation tile)
+              const int64_t wt = blk / 2, rt = blk % 2;
+              amx_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, Mp, S, c.data() + blk * 256, scf.data(),
+                          mnf.data(), dsT.data(), bvT.data(), d, dmin, bias, acc_base + blk * 16 * 256, out, ldo);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 
 const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
   if (!bias.has_value() || !bias->defined()) return nullptr;
@@ -576,13 +796,20 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   const float* dmp = dmin.data_ptr<float>();
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
+  int64_t n0 = 0;   // weight rows before n0 are done on AMX tiles
+#if KERNEL_AMX
+  if (M >= kAmxMinRows && amx_usable()) {
+    n0 = N / kAmxWeightRows * kAmxWeightRows;
+    q4_matmul_amx(M, n0, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
+  }
+#endif
   for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
 #if KERNEL_ZMM
     q4_rows_zmm<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
 #else
     q4_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
 #endif
-  });
+  }, n0);
 }
 
 // out[:, col0:col0+N] = dequant(int8 weights) applied to the quantized rows (+ bias).
