@@ -531,6 +531,15 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 8, 8};
 };
 
+// q8_matmul_amx's: tiles 0-3 as above (16 activation rows x 16 weight rows), 4 and 5 two
+// activation tiles (16 rows x 16 bytes: one 16-value sub-block), 6 and 7 two weight tiles (4 rows
+// of 16 weight rows x 4 bytes).
+struct alignas(64) Amx8TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 16, 16, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 4, 4};
+};
+
 // An 8 x 8 transpose of int32s: r[t] lane b -> r[b] lane t.
 inline void transpose8x8(__m256i* r) {
   __m256i t[8], u[8];
@@ -622,6 +631,7 @@ void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int6
       const __m512 ds = _mm512_loadu_ps(dsT + s * Mp + rb * 16);
       const __m512 dwds = _mm512_mul_ps(_mm512_set1_ps(d[(n + w) * S + s]), ds);
       const __m512 dmds = _mm512_mul_ps(_mm512_set1_ps(dmin[(n + w) * S + s]), ds);
+#pragma GCC unroll 8   // acc and macc stay in registers
       for (int j = 0; j < 8; ++j) {
         const __m512i isum = _mm512_loadu_si512(c + ((s - s0) * 8 + j) * 1024 + w * 16);
         const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scw[s * 8 + j]));
@@ -647,9 +657,16 @@ void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int6
     for (int64_t w = 0; w < 16; ++w) out[(rb * 16 + r) * ldo + n + w] = res[w][r];
 }
 
+// Activation rows per pass over a thread's weight groups: ~768 KB of activations (kept in its
+// cache), but at least 256 rows, since every pass widens the weights again (with fewer rows that
+// costs more than streaming the activations from L3).
+inline int64_t amx_row_chunk(int64_t Mp, int64_t K) {
+  return std::min(Mp, std::max<int64_t>(256, (int64_t{768} * 1024 / K) / 32 * 32));
+}
+
 // The int4 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles. Threads split the weight
-// rows in groups of 32; each widens a group's weights once per pass over up to ~768 KB of
-// activations (kept in its cache), and runs 32 x 32 blocks: per sub-block two weight and two
+// rows in groups of 32; each widens a group's weights once per pass over amx_row_chunk rows,
+// and runs 32 x 32 blocks: per sub-block two weight and two
 // activation tiles, four products.
 void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                    const float* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d,
@@ -658,7 +675,7 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
   std::vector<uint8_t> xb(static_cast<size_t>(Mp / 16 * S * 8 * 512), 0);
   std::vector<float> dsT(static_cast<size_t>(S * Mp), 0.0f), bvT(static_cast<size_t>(8 * S * Mp), 0.0f);
   amx_activations(M, Mp, K, S, xq, dx, bsum, xb.data(), dsT.data(), bvT.data());
-  const int64_t chunk = std::max<int64_t>(32, std::min(Mp, (int64_t{768} * 1024 / K) / 32 * 32));
+  const int64_t chunk = amx_row_chunk(Mp, K);
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
     TileConfig cfg;
     _tile_loadconfig(&cfg);
@@ -703,6 +720,175 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
               const int64_t wt = blk / 2, rt = blk % 2;
               amx_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, Mp, S, c.data() + blk * 256, scf.data(),
                           mnf.data(), dsT.data(), bvT.data(), d, dmin, bias, acc_base + blk * 16 * 256, out, ldo);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+// int8 calls of many rows on AMX tiles, as q4_matmul_amx. The weights are signed, so they are
+// tdpbusd's second operand and the activations its first, offset by 128 (x ^ 0x80 = x + 128 as
+// an unsigned byte); 128 times each 16-value sub-block's weight sum comes off again (the offset
+// trick of q8_super): the exact sub-block sums of q8_super. Then q8_rows' lane operations in
+// q8_rows' order (each lane's two sub-blocks times their int8 scales, summed as int32, converted,
+// one fma per superblock; hsum8's order at the end), with the 16 lanes of a vector holding 16
+// weight rows: q8_rows' bits.
+constexpr int64_t kAmx8Superblocks = 4;   // superblocks per pass of the float work (64 KB of sums each)
+constexpr int64_t kAmx8MinRows = 64;   // twice the sums and float work of int4: slower than q8_rows below
+
+// Activations as tdpbusd's first operand: xa[((rb * S + s) * 16 + 2j + h) * 256 + 16r + 4t + i] =
+// row 16 rb + r's value 32j + 16h + 4t + i of superblock s, plus 128 (zero past M).
+void amx8_activations(int64_t M, int64_t Mp, int64_t K, int64_t S, const int8_t* xq, uint8_t* xa) {
+  at::parallel_for(0, Mp / 16, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t rb = b0; rb < b1; ++rb) {
+      for (int64_t r = 0; r < 16 && rb * 16 + r < M; ++r) {
+        const int64_t m = rb * 16 + r;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t k0 = s * kSuper, nsub = std::min(kSuper, K - k0) / 32, W = 4 * nsub;
+          const int8_t* src = xq + m * K + k0;
+          uint8_t* dst = xa + (rb * S + s) * 16 * 256 + 16 * r;
+          for (int64_t t = 0; t < 8; ++t) {   // t < 4: the first half of each block (h = 0)
+            alignas(32) int32_t v[8];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(v), _mm256_xor_si256(load32(src + t * W, W), _mm256_set1_epi8(static_cast<char>(0x80))));
+            for (int64_t j = 0; j < nsub; ++j) std::memcpy(dst + (2 * j + t / 4) * 256 + 4 * (t % 4), v + j, 4);
+          }
+        }
+      }
+    }
+  });
+}
+
+// Weight rows n..n+31 as tdpbusd's second operand: wb[((s * 16 + 2j + h) * 2 + g) * 256 + 64t + 4w + i]
+// = row n + 16g + w's value 32j + 16h + 4t + i; wsum[(s * 16 + 2j + h) * 32 + w] 128 times that
+// sub-block's weight sum; se / so[(s * 8 + j) * 32 + w] the scales of sub-blocks 2j and 2j + 1;
+// dw[s * 32 + w] the superblock scales (zero past a short superblock's blocks).
+void amx8_weights(int64_t n, int64_t K, int64_t S, const int8_t* qs, const int8_t* sc, const float* d, int8_t* wb,
+                  int32_t* wsum, int32_t* se, int32_t* so, float* dw) {
+  for (int64_t w = 0; w < kAmxWeightRows; ++w) {
+    const int8_t* q = qs + (n + w) * K;
+    const int64_t g = w / 16, wl = w % 16;
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t k0 = s * kSuper, nsub = std::min(kSuper, K - k0) / 32, W = 4 * nsub;
+      dw[s * kAmxWeightRows + w] = d[(n + w) * S + s];
+      __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};   // lane j: block j's half h
+      for (int64_t t = 0; t < 8; ++t) {   // kernel-order vector t: lane j holds block j's values 4t..4t+3
+        const __m256i v = load32(q + k0 + t * W, W);
+        sums[t / 4] = _mm256_dpbusd_epi32(sums[t / 4], _mm256_set1_epi8(1), v);
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+        for (int64_t j = 0; j < 8; ++j)
+          std::memcpy(wb + ((s * 16 + 2 * j + t / 4) * 2 + g) * 256 + 64 * (t % 4) + 4 * wl, lanes + j, 4);
+      }
+      for (int64_t h = 0; h < 2; ++h) {
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_slli_epi32(sums[h], 7));
+        for (int64_t j = 0; j < 8; ++j) wsum[(s * 16 + 2 * j + h) * kAmxWeightRows + w] = lanes[j];
+      }
+      for (int64_t j = 0; j < 8; ++j) {
+        const bool in = j < nsub;
+        se[(s * 8 + j) * kAmxWeightRows + w] = in ? sc[(n + w) * (K / 16) + k0 / 16 + 2 * j] : 0;
+        so[(s * 8 + j) * kAmxWeightRows + w] = in ? sc[(n + w) * (K / 16) + k0 / 16 + 2 * j + 1] : 0;
+      }
+    }
+  }
+}
+
+// q8_rows' float work over superblocks s0..s1-1 for activation rows 16 rb..16 rb + 15 and weight
+// rows n..n+15 (column g0.. of the group's wsum / se / so / dw), from sub-block sums
+// c[((s - s0) * 16 + 2j + h) * 1024 + 16r + w]; partial sums carry over in acc between passes,
+// the last pass writes the rows below M.
+void amx8_outputs(int64_t n, int64_t g0, int64_t rb, int64_t s0, int64_t s1, int64_t M, int64_t S,
+                  const int32_t* c, const int32_t* wsum, const int32_t* se, const int32_t* so, const float* dw,
+                  const float* dx, const float* bias, float* accs, float* out, int64_t ldo) {
+  const bool first = s0 == 0, last = s1 == S;
+  const __m512 bb = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < 16 && rb * 16 + r < M; ++r) {
+    const int64_t m = rb * 16 + r;
+    __m512 acc[8];
+    float* keep = accs + r * 128;
+    for (int j = 0; j < 8; ++j) acc[j] = first ? _mm512_setzero_ps() : _mm512_load_ps(keep + 16 * j);
+    for (int64_t s = s0; s < s1; ++s) {
+      const __m512 dwds = _mm512_mul_ps(_mm512_loadu_ps(dw + s * kAmxWeightRows + g0), _mm512_set1_ps(dx[m * S + s]));
+#pragma GCC unroll 8   // acc stays in registers
+      for (int j = 0; j < 8; ++j) {
+        const int64_t b = (s - s0) * 16 + 2 * j;
+        const __m512i ev = _mm512_sub_epi32(_mm512_loadu_si512(c + b * 1024 + 16 * r),
+                                            _mm512_loadu_si512(wsum + (s * 16 + 2 * j) * kAmxWeightRows + g0));
+        const __m512i od = _mm512_sub_epi32(_mm512_loadu_si512(c + (b + 1) * 1024 + 16 * r),
+                                            _mm512_loadu_si512(wsum + (s * 16 + 2 * j + 1) * kAmxWeightRows + g0));
+        const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(ev, _mm512_loadu_si512(se + (s * 8 + j) * kAmxWeightRows + g0)),
+                                              _mm512_mullo_epi32(od, _mm512_loadu_si512(so + (s * 8 + j) * kAmxWeightRows + g0)));
+        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), dwds, acc[j]);
+      }
+    }
+    if (!last) {
+      for (int j = 0; j < 8; ++j) _mm512_store_ps(keep + 16 * j, acc[j]);
+      continue;
+    }
+    // hsum8's order over the 8 lanes, then the bias
+    const __m512 h = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
+                                   _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
+    _mm512_storeu_ps(out + m * ldo + n, _mm512_add_ps(h, bb));
+  }
+}
+
+// The int8 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles, blocked as
+// q4_matmul_amx: per sub-block two activation and two weight tiles, four products.
+void q8_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq, const float* dx, const int8_t* qs,
+                   const int8_t* sc, const float* d, const float* bias, float* out, int64_t ldo) {
+  const int64_t Mp = (M + 31) / 32 * 32;
+  std::vector<uint8_t> xa(static_cast<size_t>(Mp / 16 * S * 16 * 256), 0);
+  amx8_activations(M, Mp, K, S, xq, xa.data());
+  const int64_t chunk = amx_row_chunk(Mp, K);
+  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
+    Amx8TileConfig cfg;
+    _tile_loadconfig(&cfg);
+    std::vector<int8_t> wb(static_cast<size_t>(S * 16 * 2 * 256));
+    std::vector<int32_t> wsum(static_cast<size_t>(S * 16 * kAmxWeightRows)), se(static_cast<size_t>(S * 8 * kAmxWeightRows)),
+        so(se.size());
+    std::vector<float> dw(static_cast<size_t>(S * kAmxWeightRows));
+    std::vector<int32_t> c(static_cast<size_t>(kAmx8Superblocks * 16 * 1024));
+    std::vector<float> accs(4 * 16 * 128 + 16);
+    float* acc_base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
+    for (int64_t m0 = 0; m0 < Mp; m0 += chunk) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n = g * kAmxWeightRows;
+        amx8_weights(n, K, S, qs, sc, d, wb.data(), wsum.data(), se.data(), so.data(), dw.data());
+        for (int64_t rb = m0 / 16; rb < std::min(Mp, m0 + chunk) / 16; rb += 2) {
+          for (int64_t s0 = 0; s0 < S; s0 += kAmx8Superblocks) {
+            const int64_t s1 = std::min(S, s0 + kAmx8Superblocks);
+            for (int64_t s = s0; s < s1; ++s) {
+              const int64_t nsub = std::min(kSuper, K - s * kSuper) / 32;
+              for (int64_t b = 0; b < 16; ++b) {
+                int32_t* cs = c.data() + ((s - s0) * 16 + b) * 1024;
+                if (b / 2 >= nsub) {   // a short superblock's missing blocks: zero sums
+                  std::memset(cs, 0, 1024 * sizeof(int32_t));
+                  continue;
+                }
+                const uint8_t* xs = xa.data() + ((rb * S + s) * 16 + b) * 256;
+                const int8_t* ws = wb.data() + (s * 16 + b) * 2 * 256;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                _tile_loadd(4, xs, 16);
+                _tile_loadd(5, xs + S * 16 * 256, 16);   // activation rows 16 (rb + 1)..
+                _tile_loadd(6, ws, 64);
+                _tile_loadd(7, ws + 256, 64);
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 4, 7);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+                _tile_stored(0, cs, 64);
+                _tile_stored(1, cs + 256, 64);
+                _tile_stored(2, cs + 512, 64);
+                _tile_stored(3, cs + 768, 64);
+              }
+            }
+            for (int64_t blk = 0; blk < 4; ++blk) {   // (activation tile, weight tile)
+              const int64_t rt = blk / 2, wt = blk % 2;
+              amx8_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, S, c.data() + blk * 256, wsum.data(), se.data(),
+                           so.data(), dw.data(), dx, bias, acc_base + blk * 16 * 128, out, ldo);
             }
           }
         }
@@ -830,9 +1016,16 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor qs, torch::Tens
   const float* dp = d.data_ptr<float>();
   float* op = out.data_ptr<float>() + col0;
   const int64_t ldo = out.stride(0);
+  int64_t n0 = 0;   // weight rows before n0 are done on AMX tiles
+#if KERNEL_AMX
+  if (M >= kAmx8MinRows && amx_usable()) {
+    n0 = N / kAmxWeightRows * kAmxWeightRows;
+    q8_matmul_amx(M, n0, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
+  }
+#endif
   for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
     q8_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
-  });
+  }, n0);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
