@@ -540,6 +540,30 @@ struct alignas(64) Amx8TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 4, 4};
 };
 
+// The four products of a 2 x 2 block into c (int32 [4, 16, 16]): c[256 (2a + b) + 16i + j] = row i
+// of first operand tile a (a0 or a1, unsigned bytes, rows lda bytes apart) times column j of
+// second operand tile b (b0 or b1, signed, four bytes per column, rows ldb bytes apart), with the
+// tile shapes of the configuration loaded (TileConfig or Amx8TileConfig).
+__attribute__((always_inline)) inline void amx_2x2(int32_t* c, const void* a0, const void* a1, int64_t lda,
+                                                   const void* b0, const void* b1, int64_t ldb) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, a0, lda);
+  _tile_loadd(5, a1, lda);
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+  _tile_dpbusd(0, 4, 6);
+  _tile_dpbusd(1, 4, 7);
+  _tile_dpbusd(2, 5, 6);
+  _tile_dpbusd(3, 5, 7);
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+}
+
 // An 8 x 8 transpose of int32s: r[t] lane b -> r[b] lane t.
 inline void transpose8x8(__m256i* r) {
   __m256i t[8], u[8];
@@ -701,19 +725,7 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
                 }
                 const uint8_t* ws = wa.data() + (s * 8 + j) * kAmxWeightRows * 32;
                 const uint8_t* xs = xb.data() + (rb * S + s) * 8 * 512 + j * 512;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                _tile_loadd(4, ws, 32);
-                _tile_loadd(5, ws + 16 * 32, 32);
-                _tile_loadd(6, xs, 64);
-                _tile_loadd(7, xs + S * 8 * 512, 64);   // activation rows 16 (rb + 1)..
-                _tile_dpbusd(0, 4, 6);
-                _tile_dpbusd(1, 4, 7);
-                _tile_dpbusd(2, 5, 6);
-                _tile_dpbusd(3, 5, 7);
-                _tile_stored(0, cs, 64);
-                _tile_stored(1, cs + 256, 64);
-                _tile_stored(2, cs + 512, 64);
-                _tile_stored(3, cs + 768, 64);
+                amx_2x2(cs, ws, ws + 16 * 32, 32, xs, xs + S * 8 * 512, 64);   // activation rows 16 (rb + 1).. second
               }
             }
             for (int64_t blk = 0; blk < 4; ++blk) {   // (weight tile, activation tile)
@@ -870,19 +882,7 @@ void q8_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
                 }
                 const uint8_t* xs = xa.data() + ((rb * S + s) * 16 + b) * 256;
                 const int8_t* ws = wb.data() + (s * 16 + b) * 2 * 256;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                _tile_loadd(4, xs, 16);
-                _tile_loadd(5, xs + S * 16 * 256, 16);   // activation rows 16 (rb + 1)..
-                _tile_loadd(6, ws, 64);
-                _tile_loadd(7, ws + 256, 64);
-                _tile_dpbusd(0, 4, 6);
-                _tile_dpbusd(1, 4, 7);
-                _tile_dpbusd(2, 5, 6);
-                _tile_dpbusd(3, 5, 7);
-                _tile_stored(0, cs, 64);
-                _tile_stored(1, cs + 256, 64);
-                _tile_stored(2, cs + 512, 64);
-                _tile_stored(3, cs + 768, 64);
+                amx_2x2(cs, xs, xs + S * 16 * 256, 16, ws, ws + 256, 64);   // activation rows 16 (rb + 1).. second
               }
             }
             for (int64_t blk = 0; blk < 4; ++blk) {   // (activation tile, weight tile)
