@@ -4,9 +4,11 @@
 
 Every quantized linear's kernel module is swapped between runs, alternating old / new per round
 (the same weights, so the machine's drift hits both): a greedy 48-token generation (plain decode,
-or `mtp` with k = 3 and the shipped head), and the hidden-state precompute's forward (4 segments
-of 512 standard-library tokens with the fused layers 2, 14, 25, as `train-head` runs it). Prints
-medians; the generated tokens must be equal (the kernels' bits are). Run it alone.
+or `mtp` with k = 3 and the shipped head), the time to first token of a 1,024-token prompt
+(standard-library text, one generated token: the serving prefill), and the hidden-state
+precompute's forward (4 segments of 512 standard-library tokens with the fused layers 2, 14, 25,
+as `train-head` runs it). Prints medians; the generated tokens must be equal (the kernels' bits
+are). Run it alone.
 """
 import argparse
 import gc
@@ -30,15 +32,18 @@ def main():
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     spec = {"method": "mtp", "num_speculative_tokens": 3} if args.mtp else None
-    llm = LLM("qwen2.5-coder-1.5b-instruct", quantization="int4", speculative_config=spec)
+    # no prefix caching: every round prefills the same prompts again
+    llm = LLM("qwen2.5-coder-1.5b-instruct", quantization="int4", speculative_config=spec, enable_prefix_caching=False)
     builds = {"old": build_other(args.against), "new": quant_ops()}
     linears = [m for m in gc.get_objects() if isinstance(m, QuantizedLinear)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
     ids = [t for _, d in stdlib_documents(llm.get_tokenizer(), max_tokens=4000) for t in d]
     segments = [ids[i * 512:(i + 1) * 512] for i in range(4)]
+    long_prompt = {"prompt_token_ids": ids[2048:2048 + 1024]}
+    one = SamplingParams(temperature=0, max_tokens=1)
     engine = llm.llm_engine
-    gen, pre, tokens = {k: [] for k in builds}, {k: [] for k in builds}, {}
+    gen, pre, ttft, tokens = {k: [] for k in builds}, {k: [] for k in builds}, {k: [] for k in builds}, {}
     for _ in range(args.rounds):
         for name, ops in builds.items():
             for lin in linears:
@@ -47,6 +52,10 @@ def main():
             out = llm.generate([prompt], params, use_tqdm=False)
             gen[name].append(time.perf_counter() - t)
             tokens.setdefault(name, out[0].outputs[0].token_ids)
+            t = time.perf_counter()
+            out = llm.generate([long_prompt], one, use_tqdm=False)
+            ttft[name].append(time.perf_counter() - t)
+            tokens.setdefault(name + " first", out[0].outputs[0].token_ids)
             if not args.mtp:
                 model = engine.runner.model
                 previous, model.aux_hidden_state_layers = model.aux_hidden_state_layers, (2, 14, 25)
@@ -56,11 +65,12 @@ def main():
                 model.aux_hidden_state_layers = previous
     for name in builds:
         g = statistics.median(gen[name])
-        line = f"{name}: {'mtp k=3' if args.mtp else 'plain'} {48 / g:.2f} tok/s (median of {args.rounds})"
+        line = (f"{name}: {'mtp k=3' if args.mtp else 'plain'} {48 / g:.2f} tok/s (median of {args.rounds}), "
+                f"time to first token of 1,024 prompt tokens {statistics.median(ttft[name]):.2f} s")
         if pre[name]:
             line += f", precompute prefill {2048 / statistics.median(pre[name]):.1f} tok/s"
         print(line)
-    print("same tokens:", tokens["old"] == tokens["new"])
+    print("same tokens:", tokens["old"] == tokens["new"] and tokens["old first"] == tokens["new first"])
 
 
 if __name__ == "__main__":
