@@ -82,8 +82,8 @@ def test_kernel_order_transposes_groups_of_four(k):
 @pytest.mark.parametrize("layout", LAYOUTS + ["mixed"])
 def test_rows_bitwise_independent_of_row_count(layout):
     """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17, 31..34
-    and 63..66 (with VNNI, calls of 16 rows or more pair the weight rows; with AMX, int4 calls of
-    32 rows or more and int8 calls of 64 or more run on tiles: the bits stay the same)."""
+    and 127..130 (with VNNI, calls of 16 rows or more pair the weight rows; with AMX, int4 calls of
+    32 rows or more and int8 calls of 128 or more run on tiles: the bits stay the same)."""
     k = 1536
     if layout == "mixed":  # a fused q/k/v: q, k int4 (Q4_K) and v int8 (Q6_K)
         lin = make_linear([quantize(_weight(64, k, 1), "int4"), quantize(_weight(32, k, 2), "int4"),
@@ -91,11 +91,11 @@ def test_rows_bitwise_independent_of_row_count(layout):
         assert [p.layout for p in lin.parts] == ["int4", "int8"]
     else:
         lin = make_linear([_weight(72, k)], torch.randn(72), layout)
-    x = _inputs(66, k)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(66)])
-    for m in list(range(1, 18)) + [31, 32, 33, 34, 63, 64, 65, 66]:
+    x = _inputs(130, k)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(130)])
+    for m in list(range(1, 18)) + [31, 32, 33, 34, 127, 128, 129, 130]:
         assert torch.equal(lin(x[:m]), alone[:m]), m
-        assert torch.equal(lin(x[66 - m:]), alone[66 - m:]), m  # rows at other places in the batch
+        assert torch.equal(lin(x[130 - m:]), alone[130 - m:]), m  # rows at other places in the batch
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -103,7 +103,7 @@ def test_result_independent_of_thread_count(layout):
     """An odd number of weight rows: with VNNI the kernels pair weight rows, and a thread's range
     may end on a row left alone, a different one for each thread count; the bits stay the same."""
     lin = make_linear([_weight(75, 1536)], None, layout)
-    x = _inputs(66, 1536)   # enough rows for the pairing (kPairMinRows) and the AMX tiles (kAmx*MinRows)
+    x = _inputs(130, 1536)   # enough rows for the pairing (kPairMinRows) and the AMX tiles (kAmx*MinRows)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -117,14 +117,14 @@ def test_result_independent_of_thread_count(layout):
 
 @pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
 @pytest.mark.parametrize("k", [1536, 896, 2304])
-@pytest.mark.parametrize("m", [7, 21, 37, 70])
+@pytest.mark.parametrize("m", [7, 21, 37, 134])
 def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
     """The VNNI dot product (scales applied per lane after the superblock; whole superblocks on
     64-byte vectors or on 32-byte ones), the AVX2 one (scales folded into vpmaddwd) and, where
-    the CPU has them, AMX tiles (int4 from 32 rows, int8 from 64) sum the same integers: equal
+    the CPU has them, AMX tiles (int4 from 32 rows, int8 from 128) sum the same integers: equal
     outputs, bit for bit, in whole and short superblocks, for both layouts, with one weight row per
     pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16, and 41 leaves one alone);
-    with AMX, 37 and 70 rows (32-row blocks and a mostly empty one), weight rows 0-31 on tiles and
+    with AMX, 37 and 134 rows (32-row blocks and a mostly empty one), weight rows 0-31 on tiles and
     the 9 others on vectors, and 2304 columns (nine superblocks: the tiles' float work in passes)."""
     amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
     builds = amx + [build_quant_ops(vnni=True, zmm=True, amx=False), build_quant_ops(vnni=True, zmm=False),

@@ -72,10 +72,10 @@ def cpu_runs_512bit_at_full_width() -> bool:
 
 
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX int8 tiles (Intel Sapphire Rapids and later), which the int4 kernel
-    uses for calls of many rows (prefill): the same integer sums, so the same bits. The kernel
-    also asks Linux for the tiles' state at run time and keeps to vector instructions where it is
-    refused."""
+    """Whether this CPU has AMX int8 tiles (Intel Sapphire Rapids and later), which the int4 and
+    int8 kernels use for calls of many rows (prefill): the same integer sums, so the same bits.
+    The kernels also ask Linux for the tiles' state at run time and keep to vector instructions
+    where it is refused."""
     return {"amx_tile", "amx_int8"} <= _cpu_info()[1] and cpu_runs_512bit_at_full_width()
 
 
@@ -114,7 +114,7 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None,
     the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``zmm``
     (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): whole superblocks on 512-bit
     vectors, the same integers again. ``amx`` (with ``zmm`` only; default :func:`cpu_has_amx`):
-    int4 calls of 16 rows or more on AMX tiles, the same bits again. ``source``: another version
+    int4 calls of 32 rows or more and int8 calls of 128 or more on AMX tiles, the same bits again. ``source``: another version
     of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
 
     Raises:

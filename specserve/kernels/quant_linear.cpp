@@ -749,7 +749,7 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
 // one fma per superblock; hsum8's order at the end), with the 16 lanes of a vector holding 16
 // weight rows: q8_rows' bits.
 constexpr int64_t kAmx8Superblocks = 4;   // superblocks per pass of the float work (64 KB of sums each)
-constexpr int64_t kAmx8MinRows = 64;   // twice the sums and float work of int4: slower than q8_rows below
+constexpr int64_t kAmx8MinRows = 128;   // twice the sums and float work of int4: no faster than q8_rows below
 
 // Activations as tdpbusd's first operand: xa[((rb * S + s) * 16 + 2j + h) * 256 + 16r + 4t + i] =
 // row 16 rb + r's value 32j + 16h + 4t + i of superblock s, plus 128 (zero past M).
