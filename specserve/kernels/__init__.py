@@ -114,8 +114,9 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None,
     the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``zmm``
     (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): whole superblocks on 512-bit
     vectors, the same integers again. ``amx`` (with ``zmm`` only; default :func:`cpu_has_amx`):
-    int4 calls of 32 rows or more and int8 calls of 128 or more on AMX tiles, the same bits again. ``source``: another version
-    of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
+    int4 calls of 32 rows or more and int8 calls of 128 or more on AMX tiles, the same bits again;
+    where the compiler has no AMX (GCC < 11) the default builds without it. ``source``: another
+    version of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
 
     Raises:
         KernelUnavailableError: the extension does not build (the compiler's last line).
@@ -126,7 +127,12 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None,
         if cpu_runs_512bit_at_full_width() if zmm is None else zmm:
             flags.append("-DSPECSERVE_ZMM")
             if cpu_has_amx() if amx is None else amx:
-                flags += ["-mamx-tile", "-mamx-int8", "-DSPECSERVE_AMX"]
+                try:
+                    return _build(Path(source), flags + ["-mamx-tile", "-mamx-int8", "-DSPECSERVE_AMX"],
+                                  "quant_linear", "or use quantization 'none'")
+                except KernelUnavailableError:
+                    if amx:   # asked for by name: say why not
+                        raise
     return _build(Path(source), flags, "quant_linear", "or use quantization 'none'")
 
 
