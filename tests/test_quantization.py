@@ -117,16 +117,18 @@ def test_result_independent_of_thread_count(layout):
 
 @pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
 @pytest.mark.parametrize("k", [1536, 896, 2304])
-@pytest.mark.parametrize("m", [7, 21, 37, 134])
+@pytest.mark.parametrize("m", [7, 21, 37, 134, 330])
 def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
     """The VNNI dot product (scales applied per lane after the superblock; whole superblocks on
     64-byte vectors or on 32-byte ones), the AVX2 one (scales folded into vpmaddwd) and, where
     the CPU has them, AMX tiles (int4 from 32 rows, int8 from 128) sum the same integers: equal
     outputs, bit for bit, in whole and short superblocks, for both layouts, with one weight row per
     pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16, and 41 leaves one alone);
-    with AMX, 37 and 134 rows (32-row blocks and a mostly empty one), weight rows 0-31 on tiles and
-    the 9 others on vectors, and 2304 columns (nine superblocks: the tiles' float work in passes)."""
+    with AMX, 37, 134 and 330 rows (32-row blocks and a mostly empty one), weight rows 0-31 on
+    tiles and the 9 others on vectors, and 2304 columns (nine superblocks: the tiles' float work in
+    passes; 330 rows: two passes over the activations)."""
     amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
+    assert all(ops.amx_enabled() for ops in amx)   # granted by the OS: the tiles really run
     builds = amx + [build_quant_ops(vnni=True, zmm=True, amx=False), build_quant_ops(vnni=True, zmm=False),
                     build_quant_ops(vnni=False)]
     x = _inputs(m, k)

@@ -20,9 +20,10 @@
 // Integer products are summed exactly within a superblock (int32 lanes; AVX2 int4: int16, see
 // q4_dot), then each superblock adds
 // one float term per lane in a fixed order. Every output element is computed by one thread with
-// the same instruction sequence whatever the number of rows M, the row's place in the batch or the
-// thread count (weight rows are paired for their integer sums only, see kWeightRows), so a row's
-// result is bitwise independent of what it is multiplied with
+// the same float operations in the same order whatever the number of rows M, the row's place in
+// the batch or the thread count (weight rows are paired for their integer sums only, see
+// kWeightRows; calls of many rows may take their integer sums from AMX tiles, see
+// q4_matmul_amx), so a row's result is bitwise independent of what it is multiplied with
 // (speculative verify of k+1 rows == k+1 single-row decodes); the VNNI and AVX2 dot products give
 // the same integers, so the same bits. Compiled with -ffp-contract=off so the compiler cannot
 // fuse the scalar float operations differently in different loops.
@@ -45,7 +46,7 @@
 #else
 #define KERNEL_ZMM 0
 #endif
-// AMX int8 tiles (q4_amx) for calls of many rows: where build_quant_ops defines SPECSERVE_AMX
+// AMX int8 tiles (q4_matmul_amx, q8_matmul_amx) for calls of many rows: where build_quant_ops defines SPECSERVE_AMX
 // (specserve.kernels.cpu_has_amx) on top of the 512-bit build.
 #if KERNEL_ZMM && defined(SPECSERVE_AMX) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define KERNEL_AMX 1
@@ -564,6 +565,15 @@ __attribute__((always_inline)) inline void amx_2x2(int32_t* c, const void* a0, c
   _tile_stored(3, c + 768, 64);
 }
 
+// The tile configuration loaded for this thread's scope, released at its end (also when an
+// allocation throws): a thread holding tile state costs every context switch its save.
+struct TileScope {
+  explicit TileScope(const void* config) { _tile_loadconfig(config); }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
 // An 8 x 8 transpose of int32s: r[t] lane b -> r[b] lane t.
 inline void transpose8x8(__m256i* r) {
   __m256i t[8], u[8];
@@ -635,7 +645,7 @@ void amx_weights(int64_t n, int64_t K, int64_t S, const uint8_t* qs, const uint8
 
 // q4_rows' float work over superblocks s0..s1-1 for weight rows n..n+15 (their scales and mins
 // at rows w0.. of scf / mnf) and activation rows 16 rb..16 rb + 15, from block sums
-// c[(s - s0) * 8 + j) * 1024 + w * 16 + r]. The 16 partial sums per weight row carry over in acc
+// c[((s - s0) * 8 + j) * 1024 + w * 16 + r]. The 16 partial sums per weight row carry over in acc
 // between passes; the last pass writes the rows below M.
 void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int64_t M, int64_t Mp, int64_t S,
                  const int32_t* c, const float* scf, const float* mnf, const float* dsT, const float* bvT,
@@ -701,8 +711,8 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
   amx_activations(M, Mp, K, S, xq, dx, bsum, xb.data(), dsT.data(), bvT.data());
   const int64_t chunk = amx_row_chunk(Mp, K);
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
-    TileConfig cfg;
-    _tile_loadconfig(&cfg);
+    const TileConfig cfg;
+    const TileScope tiles(&cfg);
     std::vector<uint8_t> wa(static_cast<size_t>(S * 8 * kAmxWeightRows * 32));
     std::vector<int32_t> c(static_cast<size_t>(kAmxSuperblocks * 8 * 1024));
     std::vector<float> scf(static_cast<size_t>(kAmxWeightRows * 8 * S)), mnf(scf.size());
@@ -737,7 +747,6 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
         }
       }
     }
-    _tile_release();
   });
 }
 
@@ -856,8 +865,8 @@ void q8_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
   amx8_activations(M, Mp, K, S, xq, xa.data());
   const int64_t chunk = amx_row_chunk(Mp, K);
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
-    Amx8TileConfig cfg;
-    _tile_loadconfig(&cfg);
+    const Amx8TileConfig cfg;
+    const TileScope tiles(&cfg);
     std::vector<int8_t> wb(static_cast<size_t>(S * 16 * 2 * 256));
     std::vector<int32_t> wsum(static_cast<size_t>(S * 16 * kAmxWeightRows)), se(static_cast<size_t>(S * 8 * kAmxWeightRows)),
         so(se.size());
@@ -894,7 +903,6 @@ void q8_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
         }
       }
     }
-    _tile_release();
   });
 }
 #endif
@@ -984,7 +992,7 @@ void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Te
   const int64_t ldo = out.stride(0);
   int64_t n0 = 0;   // weight rows before n0 are done on AMX tiles
 #if KERNEL_AMX
-  if (M >= kAmxMinRows && amx_usable()) {
+  if (M >= kAmxMinRows && N >= kAmxWeightRows && amx_usable()) {
     n0 = N / kAmxWeightRows * kAmxWeightRows;
     q4_matmul_amx(M, n0, K, S, xp, dxp, bsp, qp, scp, mnp, dp, dmp, bp, op, ldo);
   }
@@ -1018,7 +1026,7 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor qs, torch::Tens
   const int64_t ldo = out.stride(0);
   int64_t n0 = 0;   // weight rows before n0 are done on AMX tiles
 #if KERNEL_AMX
-  if (M >= kAmx8MinRows && amx_usable()) {
+  if (M >= kAmx8MinRows && N >= kAmxWeightRows && amx_usable()) {
     n0 = N / kAmxWeightRows * kAmxWeightRows;
     q8_matmul_amx(M, n0, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
   }
@@ -1032,4 +1040,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row, per-256 int8 activation quantization");
   m.def("q4_matmul", &q4_matmul, "int4 (k-quant) weight x int8 activation matmul");
   m.def("q8_matmul", &q8_matmul, "int8 (k-quant) weight x int8 activation matmul");
+  m.def("amx_enabled", [] {
+#if KERNEL_AMX
+    return amx_usable();
+#else
+    return false;
+#endif
+  }, "whether calls of many rows run on AMX tiles (built with them and granted by the OS)");
 }
