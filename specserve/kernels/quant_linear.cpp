@@ -698,10 +698,63 @@ inline int64_t amx_row_chunk(int64_t Mp, int64_t K) {
   return std::min(Mp, std::max<int64_t>(256, (int64_t{768} * 1024 / K) / 32 * 32));
 }
 
-// The int4 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles. Threads split the weight
-// rows in groups of 32; each widens a group's weights once per pass over amx_row_chunk rows,
-// and runs 32 x 32 blocks: per sub-block two weight and two
-// activation tiles, four products.
+// A float buffer with a 64-byte aligned start, for the aligned vector loads and stores of the
+// partial sums that carry over between passes.
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(size_t n) : buf_(n + 16) {}
+  float* data() { return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf_.data()) + 63) & ~uintptr_t{63}); }
+
+ private:
+  std::vector<float> buf_;
+};
+
+// The loops both AMX paths share. Threads split weight rows 0..N-1 (a multiple of 32) in groups
+// of 32; each widens a group's weights once per pass over amx_row_chunk activation rows, and
+// runs 32 x 32 blocks over PassSuperblocks superblocks at a time: per sub-block one 2 x 2 tile
+// product, then the float work on the four 16 x 16 blocks of sums. A superblock has SubBlocks
+// sub-blocks of 32 / (SubBlocks / 8) values; a short one's missing blocks get zero sums. The
+// layout's per-thread Group (made by make_group) does the layout's parts:
+//   widen(n): weight rows n..n+31 into the tiles' layout;
+//   products(c, rb, s, b): sub-block b of superblock s for activation rows 16 rb..16 rb + 31
+//     into c (int32 [4, 16, 16], amx_2x2's order);
+//   outputs(blk, n, rb, s0, s1, c, acc): the float work of block blk (0-3) of those sums, with
+//     16 * AccFloats floats of partial sums in acc.
+template <typename Config, int64_t SubBlocks, int64_t PassSuperblocks, int64_t AccFloats, typename MakeGroup>
+void amx_matmul(int64_t Mp, int64_t N, int64_t K, int64_t S, MakeGroup&& make_group) {
+  const int64_t chunk = amx_row_chunk(Mp, K);
+  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
+    const Config cfg;
+    const TileScope tiles(&cfg);
+    auto group = make_group();
+    std::vector<int32_t> c(static_cast<size_t>(PassSuperblocks * SubBlocks * 1024));
+    AlignedFloats accs(4 * 16 * AccFloats);
+    for (int64_t m0 = 0; m0 < Mp; m0 += chunk) {
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n = g * kAmxWeightRows;
+        group.widen(n);
+        for (int64_t rb = m0 / 16; rb < std::min(Mp, m0 + chunk) / 16; rb += 2) {
+          for (int64_t s0 = 0; s0 < S; s0 += PassSuperblocks) {
+            const int64_t s1 = std::min(S, s0 + PassSuperblocks);
+            for (int64_t s = s0; s < s1; ++s) {
+              const int64_t nsub = std::min(kSuper, K - s * kSuper) / 32;
+              for (int64_t b = 0; b < SubBlocks; ++b) {
+                int32_t* cs = c.data() + ((s - s0) * SubBlocks + b) * 1024;
+                if (b / (SubBlocks / 8) >= nsub) std::memset(cs, 0, 1024 * sizeof(int32_t));
+                else group.products(cs, rb, s, b);
+              }
+            }
+            for (int64_t blk = 0; blk < 4; ++blk)
+              group.outputs(blk, n, rb, s0, s1, c.data() + blk * 256, accs.data() + blk * 16 * AccFloats);
+          }
+        }
+      }
+    }
+  });
+}
+
+// The int4 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles (amx_matmul's loops):
+// per sub-block two weight and two activation tiles, four products.
 void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                    const float* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn, const float* d,
                    const float* dmin, const float* bias, float* out, int64_t ldo) {
@@ -709,44 +762,30 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
   std::vector<uint8_t> xb(static_cast<size_t>(Mp / 16 * S * 8 * 512), 0);
   std::vector<float> dsT(static_cast<size_t>(S * Mp), 0.0f), bvT(static_cast<size_t>(8 * S * Mp), 0.0f);
   amx_activations(M, Mp, K, S, xq, dx, bsum, xb.data(), dsT.data(), bvT.data());
-  const int64_t chunk = amx_row_chunk(Mp, K);
-  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
-    const TileConfig cfg;
-    const TileScope tiles(&cfg);
-    std::vector<uint8_t> wa(static_cast<size_t>(S * 8 * kAmxWeightRows * 32));
-    std::vector<int32_t> c(static_cast<size_t>(kAmxSuperblocks * 8 * 1024));
-    std::vector<float> scf(static_cast<size_t>(kAmxWeightRows * 8 * S)), mnf(scf.size());
-    std::vector<float> accs(4 * 16 * 256 + 16);
-    float* acc_base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
-    for (int64_t m0 = 0; m0 < Mp; m0 += chunk) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n = g * kAmxWeightRows;
-        amx_weights(n, K, S, qs, sc, mn, wa.data(), scf.data(), mnf.data());
-        for (int64_t rb = m0 / 16; rb < std::min(Mp, m0 + chunk) / 16; rb += 2) {
-          for (int64_t s0 = 0; s0 < S; s0 += kAmxSuperblocks) {
-            const int64_t s1 = std::min(S, s0 + kAmxSuperblocks);
-            for (int64_t s = s0; s < s1; ++s) {
-              const int64_t nsub = std::min(kSuper, K - s * kSuper) / 32;
-              for (int64_t j = 0; j < 8; ++j) {
-                int32_t* cs = c.data() + ((s - s0) * 8 + j) * 1024;
-                if (j >= nsub) {   // a short superblock's missing blocks: zero sums
-                  std::memset(cs, 0, 1024 * sizeof(int32_t));
-                  continue;
-                }
-                const uint8_t* ws = wa.data() + (s * 8 + j) * kAmxWeightRows * 32;
-                const uint8_t* xs = xb.data() + (rb * S + s) * 8 * 512 + j * 512;
-                amx_2x2(cs, ws, ws + 16 * 32, 32, xs, xs + S * 8 * 512, 64);   // activation rows 16 (rb + 1).. second
-              }
-            }
-            for (int64_t blk = 0; blk < 4; ++blk) {   // (weight tile, activation tile)
-              const int64_t wt = blk / 2, rt = blk % 2;
-              amx_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, Mp, S, c.data() + blk * 256, scf.data(),
-                          mnf.data(), dsT.data(), bvT.data(), d, dmin, bias, acc_base + blk * 16 * 256, out, ldo);
-            }
-          }
-        }
+  amx_matmul<TileConfig, 8, kAmxSuperblocks, 256>(Mp, N, K, S, [&] {
+    struct Int4 {
+      std::vector<uint8_t> wa;
+      std::vector<float> scf, mnf;
+      int64_t M, Mp, K, S;
+      const uint8_t *xb, *qs, *sc, *mn;
+      const float *dsT, *bvT, *d, *dmin, *bias;
+      float* out;
+      int64_t ldo;
+      void widen(int64_t n) { amx_weights(n, K, S, qs, sc, mn, wa.data(), scf.data(), mnf.data()); }
+      void products(int32_t* c, int64_t rb, int64_t s, int64_t j) {
+        const uint8_t* ws = wa.data() + (s * 8 + j) * kAmxWeightRows * 32;
+        const uint8_t* xs = xb + (rb * S + s) * 8 * 512 + j * 512;
+        amx_2x2(c, ws, ws + 16 * 32, 32, xs, xs + S * 8 * 512, 64);   // activation rows 16 (rb + 1).. second
       }
-    }
+      void outputs(int64_t blk, int64_t n, int64_t rb, int64_t s0, int64_t s1, const int32_t* c, float* acc) {
+        const int64_t wt = blk / 2, rt = blk % 2;   // (weight tile, activation tile)
+        amx_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, Mp, S, c, scf.data(), mnf.data(), dsT, bvT, d, dmin,
+                    bias, acc, out, ldo);
+      }
+    };
+    const size_t wrows = static_cast<size_t>(kAmxWeightRows * 8 * S);
+    return Int4{std::vector<uint8_t>(wrows * 32), std::vector<float>(wrows), std::vector<float>(wrows),
+                M, Mp, K, S, xb.data(), qs, sc, mn, dsT.data(), bvT.data(), d, dmin, bias, out, ldo};
   });
 }
 
@@ -856,53 +895,40 @@ void amx8_outputs(int64_t n, int64_t g0, int64_t rb, int64_t s0, int64_t s1, int
   }
 }
 
-// The int8 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles, blocked as
-// q4_matmul_amx: per sub-block two activation and two weight tiles, four products.
+// The int8 matmul of weight rows 0..N-1 (a multiple of 32) on AMX tiles (amx_matmul's loops):
+// per 16-value sub-block two activation and two weight tiles, four products.
 void q8_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq, const float* dx, const int8_t* qs,
                    const int8_t* sc, const float* d, const float* bias, float* out, int64_t ldo) {
   const int64_t Mp = (M + 31) / 32 * 32;
   std::vector<uint8_t> xa(static_cast<size_t>(Mp / 16 * S * 16 * 256), 0);
   amx8_activations(M, Mp, K, S, xq, xa.data());
-  const int64_t chunk = amx_row_chunk(Mp, K);
-  at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
-    const Amx8TileConfig cfg;
-    const TileScope tiles(&cfg);
-    std::vector<int8_t> wb(static_cast<size_t>(S * 16 * 2 * 256));
-    std::vector<int32_t> wsum(static_cast<size_t>(S * 16 * kAmxWeightRows)), se(static_cast<size_t>(S * 8 * kAmxWeightRows)),
-        so(se.size());
-    std::vector<float> dw(static_cast<size_t>(S * kAmxWeightRows));
-    std::vector<int32_t> c(static_cast<size_t>(kAmx8Superblocks * 16 * 1024));
-    std::vector<float> accs(4 * 16 * 128 + 16);
-    float* acc_base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(accs.data()) + 63) & ~uintptr_t{63});
-    for (int64_t m0 = 0; m0 < Mp; m0 += chunk) {
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n = g * kAmxWeightRows;
-        amx8_weights(n, K, S, qs, sc, d, wb.data(), wsum.data(), se.data(), so.data(), dw.data());
-        for (int64_t rb = m0 / 16; rb < std::min(Mp, m0 + chunk) / 16; rb += 2) {
-          for (int64_t s0 = 0; s0 < S; s0 += kAmx8Superblocks) {
-            const int64_t s1 = std::min(S, s0 + kAmx8Superblocks);
-            for (int64_t s = s0; s < s1; ++s) {
-              const int64_t nsub = std::min(kSuper, K - s * kSuper) / 32;
-              for (int64_t b = 0; b < 16; ++b) {
-                int32_t* cs = c.data() + ((s - s0) * 16 + b) * 1024;
-                if (b / 2 >= nsub) {   // a short superblock's missing blocks: zero sums
-                  std::memset(cs, 0, 1024 * sizeof(int32_t));
-                  continue;
-                }
-                const uint8_t* xs = xa.data() + ((rb * S + s) * 16 + b) * 256;
-                const int8_t* ws = wb.data() + (s * 16 + b) * 2 * 256;
-                amx_2x2(cs, xs, xs + S * 16 * 256, 16, ws, ws + 256, 64);   // activation rows 16 (rb + 1).. second
-              }
-            }
-            for (int64_t blk = 0; blk < 4; ++blk) {   // (activation tile, weight tile)
-              const int64_t rt = blk / 2, wt = blk % 2;
-              amx8_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, S, c.data() + blk * 256, wsum.data(), se.data(),
-                           so.data(), dw.data(), dx, bias, acc_base + blk * 16 * 128, out, ldo);
-            }
-          }
-        }
+  amx_matmul<Amx8TileConfig, 16, kAmx8Superblocks, 128>(Mp, N, K, S, [&] {
+    struct Int8 {
+      std::vector<int8_t> wb;
+      std::vector<int32_t> wsum, se, so;
+      std::vector<float> dw;
+      int64_t M, K, S;
+      const uint8_t* xa;
+      const int8_t *qs, *sc;
+      const float *d, *dx, *bias;
+      float* out;
+      int64_t ldo;
+      void widen(int64_t n) { amx8_weights(n, K, S, qs, sc, d, wb.data(), wsum.data(), se.data(), so.data(), dw.data()); }
+      void products(int32_t* c, int64_t rb, int64_t s, int64_t b) {
+        const uint8_t* xs = xa + ((rb * S + s) * 16 + b) * 256;
+        const int8_t* ws = wb.data() + (s * 16 + b) * 2 * 256;
+        amx_2x2(c, xs, xs + S * 16 * 256, 16, ws, ws + 256, 64);   // activation rows 16 (rb + 1).. second
       }
-    }
+      void outputs(int64_t blk, int64_t n, int64_t rb, int64_t s0, int64_t s1, const int32_t* c, float* acc) {
+        const int64_t rt = blk / 2, wt = blk % 2;   // (activation tile, weight tile)
+        amx8_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, S, c, wsum.data(), se.data(), so.data(), dw.data(),
+                     dx, bias, acc, out, ldo);
+      }
+    };
+    const size_t per = static_cast<size_t>(S * kAmxWeightRows);
+    return Int8{std::vector<int8_t>(per * 16 * 16), std::vector<int32_t>(per * 16), std::vector<int32_t>(per * 8),
+                std::vector<int32_t>(per * 8), std::vector<float>(per), M, K, S, xa.data(), qs, sc, d, dx, bias,
+                out, ldo};
   });
 }
 #endif
