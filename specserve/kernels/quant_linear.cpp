@@ -515,6 +515,9 @@ void for_each_output(int64_t M, int64_t N, F&& f, int64_t n0 = 0) {
 // most of the cost here: a convert, three multiplies and two fmas per 16 block sums.
 constexpr int64_t kAmxMinRows = 32;   // fewer rows leave most of the 32-row block empty (slower than q4_rows_zmm)
 constexpr int64_t kAmxWeightRows = 32;   // weight rows per group: two tiles of 16
+// One sub-block's 4 x 256 sums, then 64 bytes of padding: the float work reads one line of every
+// sub-block in turn, lines that at a stride of 4 KB would all fall in one L1 cache set.
+constexpr int64_t kAmxSumStride = 1024 + 16;
 constexpr int64_t kAmxSuperblocks = 8;   // superblocks per pass of the float work (bounds the sums' buffer)
 
 // Linux grants the tiles' register state only on request, once per process.
@@ -595,7 +598,8 @@ inline void transpose8x8(__m256i* r) {
 
 // The activations as tdpbusd's second operand: xb[((rb * S + s) * 8 + j) * 512 + t * 64 + 4r + i]
 // = row 16 rb + r's value 32j + 4t + i of superblock s (zero past M and past a short superblock's
-// blocks); dsT [S, Mp] and bvT [8S, Mp] the rows' scales and block sums, transposed (zero likewise).
+// blocks); dsT [Mp / 16, S, 16] and bvT [Mp / 16, 8S, 16] the rows' scales and block sums, 16 rows
+// to a vector, a row block's contiguous so the float work reads them in one run (zero likewise).
 void amx_activations(int64_t M, int64_t Mp, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                      const float* bsum, uint8_t* xb, float* dsT, float* bvT) {
   at::parallel_for(0, Mp / 16, 1, [&](int64_t b0, int64_t b1) {
@@ -608,8 +612,8 @@ void amx_activations(int64_t M, int64_t Mp, int64_t K, int64_t S, const int8_t* 
           uint8_t* dst = xb + (rb * S + s) * 8 * 512 + 4 * r;
           for (int64_t t = 0; t < 8; ++t)
             for (int64_t j = 0; j < nsub; ++j) std::memcpy(dst + j * 512 + t * 64, src + (t * nsub + j) * 4, 4);
-          dsT[s * Mp + m] = dx[m * S + s];
-          for (int64_t j = 0; j < nsub; ++j) bvT[(s * 8 + j) * Mp + m] = bsum[m * (K / 32) + s * 8 + j];
+          dsT[(rb * S + s) * 16 + r] = dx[m * S + s];
+          for (int64_t j = 0; j < nsub; ++j) bvT[((rb * S + s) * 8 + j) * 16 + r] = bsum[m * (K / 32) + s * 8 + j];
         }
       }
     }
@@ -645,9 +649,9 @@ void amx_weights(int64_t n, int64_t K, int64_t S, const uint8_t* qs, const uint8
 
 // q4_rows' float work over superblocks s0..s1-1 for weight rows n..n+15 (their scales and mins
 // at rows w0.. of scf / mnf) and activation rows 16 rb..16 rb + 15, from block sums
-// c[((s - s0) * 8 + j) * 1024 + w * 16 + r]. The 16 partial sums per weight row carry over in acc
+// c[((s - s0) * 8 + j) * kAmxSumStride + w * 16 + r]. The 16 partial sums per weight row carry over in acc
 // between passes; the last pass writes the rows below M.
-void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int64_t M, int64_t Mp, int64_t S,
+void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int64_t M, int64_t S,
                  const int32_t* c, const float* scf, const float* mnf, const float* dsT, const float* bvT,
                  const float* d, const float* dmin, const float* bias, float* accs, float* out, int64_t ldo) {
   alignas(64) float res[16][16];
@@ -662,15 +666,15 @@ void amx_outputs(int64_t n, int64_t w0, int64_t rb, int64_t s0, int64_t s1, int6
     const float* scw = scf + (w0 + w) * 8 * S;
     const float* mnw = mnf + (w0 + w) * 8 * S;
     for (int64_t s = s0; s < s1; ++s) {
-      const __m512 ds = _mm512_loadu_ps(dsT + s * Mp + rb * 16);
+      const __m512 ds = _mm512_loadu_ps(dsT + (rb * S + s) * 16);
       const __m512 dwds = _mm512_mul_ps(_mm512_set1_ps(d[(n + w) * S + s]), ds);
       const __m512 dmds = _mm512_mul_ps(_mm512_set1_ps(dmin[(n + w) * S + s]), ds);
 #pragma GCC unroll 8   // acc and macc stay in registers
       for (int j = 0; j < 8; ++j) {
-        const __m512i isum = _mm512_loadu_si512(c + ((s - s0) * 8 + j) * 1024 + w * 16);
+        const __m512i isum = _mm512_loadu_si512(c + ((s - s0) * 8 + j) * kAmxSumStride + w * 16);
         const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(scw[s * 8 + j]));
         acc[j] = _mm512_fmadd_ps(f, dwds, acc[j]);
-        const __m512 mb = _mm512_mul_ps(_mm512_set1_ps(mnw[s * 8 + j]), _mm512_loadu_ps(bvT + (s * 8 + j) * Mp + rb * 16));
+        const __m512 mb = _mm512_mul_ps(_mm512_set1_ps(mnw[s * 8 + j]), _mm512_loadu_ps(bvT + ((rb * S + s) * 8 + j) * 16));
         macc[j] = _mm512_fmadd_ps(mb, dmds, macc[j]);
       }
     }
@@ -727,7 +731,7 @@ void amx_matmul(int64_t Mp, int64_t N, int64_t K, int64_t S, MakeGroup&& make_gr
     const Config cfg;
     const TileScope tiles(&cfg);
     auto group = make_group();
-    std::vector<int32_t> c(static_cast<size_t>(PassSuperblocks * SubBlocks * 1024));
+    std::vector<int32_t> c(static_cast<size_t>(PassSuperblocks * SubBlocks * kAmxSumStride));
     AlignedFloats accs(4 * 16 * AccFloats);
     for (int64_t m0 = 0; m0 < Mp; m0 += chunk) {
       for (int64_t g = g0; g < g1; ++g) {
@@ -739,7 +743,7 @@ void amx_matmul(int64_t Mp, int64_t N, int64_t K, int64_t S, MakeGroup&& make_gr
             for (int64_t s = s0; s < s1; ++s) {
               const int64_t nsub = std::min(kSuper, K - s * kSuper) / 32;
               for (int64_t b = 0; b < SubBlocks; ++b) {
-                int32_t* cs = c.data() + ((s - s0) * SubBlocks + b) * 1024;
+                int32_t* cs = c.data() + ((s - s0) * SubBlocks + b) * kAmxSumStride;
                 if (b / (SubBlocks / 8) >= nsub) std::memset(cs, 0, 1024 * sizeof(int32_t));
                 else group.products(cs, rb, s, b);
               }
@@ -766,7 +770,7 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
     struct Int4 {
       std::vector<uint8_t> wa;
       std::vector<float> scf, mnf;
-      int64_t M, Mp, K, S;
+      int64_t M, K, S;
       const uint8_t *xb, *qs, *sc, *mn;
       const float *dsT, *bvT, *d, *dmin, *bias;
       float* out;
@@ -779,13 +783,13 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
       }
       void outputs(int64_t blk, int64_t n, int64_t rb, int64_t s0, int64_t s1, const int32_t* c, float* acc) {
         const int64_t wt = blk / 2, rt = blk % 2;   // (weight tile, activation tile)
-        amx_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, Mp, S, c, scf.data(), mnf.data(), dsT, bvT, d, dmin,
+        amx_outputs(n + 16 * wt, 16 * wt, rb + rt, s0, s1, M, S, c, scf.data(), mnf.data(), dsT, bvT, d, dmin,
                     bias, acc, out, ldo);
       }
     };
     const size_t wrows = static_cast<size_t>(kAmxWeightRows * 8 * S);
     return Int4{std::vector<uint8_t>(wrows * 32), std::vector<float>(wrows), std::vector<float>(wrows),
-                M, Mp, K, S, xb.data(), qs, sc, mn, dsT.data(), bvT.data(), d, dmin, bias, out, ldo};
+                M, K, S, xb.data(), qs, sc, mn, dsT.data(), bvT.data(), d, dmin, bias, out, ldo};
   });
 }
 
@@ -858,7 +862,7 @@ void amx8_weights(int64_t n, int64_t K, int64_t S, const int8_t* qs, const int8_
 
 // q8_rows' float work over superblocks s0..s1-1 for activation rows 16 rb..16 rb + 15 and weight
 // rows n..n+15 (column g0.. of the group's wsum / se / so / dw), from sub-block sums
-// c[((s - s0) * 16 + 2j + h) * 1024 + 16r + w]; partial sums carry over in acc between passes,
+// c[((s - s0) * 16 + 2j + h) * kAmxSumStride + 16r + w]; partial sums carry over in acc between passes,
 // the last pass writes the rows below M.
 void amx8_outputs(int64_t n, int64_t g0, int64_t rb, int64_t s0, int64_t s1, int64_t M, int64_t S,
                   const int32_t* c, const int32_t* wsum, const int32_t* se, const int32_t* so, const float* dw,
@@ -875,9 +879,9 @@ void amx8_outputs(int64_t n, int64_t g0, int64_t rb, int64_t s0, int64_t s1, int
 #pragma GCC unroll 8   // acc stays in registers
       for (int j = 0; j < 8; ++j) {
         const int64_t b = (s - s0) * 16 + 2 * j;
-        const __m512i ev = _mm512_sub_epi32(_mm512_loadu_si512(c + b * 1024 + 16 * r),
+        const __m512i ev = _mm512_sub_epi32(_mm512_loadu_si512(c + b * kAmxSumStride + 16 * r),
                                             _mm512_loadu_si512(wsum + (s * 16 + 2 * j) * kAmxWeightRows + g0));
-        const __m512i od = _mm512_sub_epi32(_mm512_loadu_si512(c + (b + 1) * 1024 + 16 * r),
+        const __m512i od = _mm512_sub_epi32(_mm512_loadu_si512(c + (b + 1) * kAmxSumStride + 16 * r),
                                             _mm512_loadu_si512(wsum + (s * 16 + 2 * j + 1) * kAmxWeightRows + g0));
         const __m512i isum = _mm512_add_epi32(_mm512_mullo_epi32(ev, _mm512_loadu_si512(se + (s * 8 + j) * kAmxWeightRows + g0)),
                                               _mm512_mullo_epi32(od, _mm512_loadu_si512(so + (s * 8 + j) * kAmxWeightRows + g0)));
