@@ -2,23 +2,24 @@
 
     python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp] [--rounds 4]
 
-Every quantized linear's kernel module is swapped between runs, alternating old / new per round
-(the same weights, so the machine's drift hits both): a greedy 48-token generation (plain decode,
-or `mtp` with k = 3 and the shipped head), the time to first token of a 1,024-token prompt
-(standard-library text, one generated token: the serving prefill), and the hidden-state
-precompute's forward (4 segments of 512 standard-library tokens with the fused layers 2, 14, 25,
-as `train-head` runs it). Prints medians; the generated tokens must be equal (the kernels' bits
-are). Run it alone.
+Every quantized linear's kernel module and the paged-attention kernel are swapped between runs,
+alternating old / new per round (the same weights, so the machine's drift hits both): a greedy
+48-token generation (plain decode, or `mtp` with k = 3 and the shipped head), the time to first
+token of a 1,024-token prompt (standard-library text, one generated token: the serving prefill),
+and the hidden-state precompute's forward (4 segments of 512 standard-library tokens with the
+fused layers 2, 14, 25, as `train-head` runs it). Prints medians; the generated tokens must be
+equal (the kernels' bits are). Run it alone.
 """
 import argparse
 import gc
 import statistics
 import time
 
-from kernel_bench import build_other
+from kernel_bench import build_other, other_source
 
+from specserve.attention import cpu_backend
 from specserve.entrypoints.llm import LLM
-from specserve.kernels import quant_ops
+from specserve.kernels import _AVX2_FLAGS, _build, attention_ops, quant_ops
 from specserve.models.linear import QuantizedLinear
 from specserve.sampling_params import SamplingParams
 from specserve.training.corpus import stdlib_documents
@@ -35,6 +36,9 @@ def main():
     # no prefix caching: every round prefills the same prompts again
     llm = LLM("qwen2.5-coder-1.5b-instruct", quantization="int4", speculative_config=spec, enable_prefix_caching=False)
     builds = {"old": build_other(args.against), "new": quant_ops()}
+    attention = {"old": _build(other_source(args.against, "paged_attention.cpp"), list(_AVX2_FLAGS),
+                               "paged_attention", ""),
+                 "new": attention_ops()}
     linears = [m for m in gc.get_objects() if isinstance(m, QuantizedLinear)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
@@ -48,6 +52,7 @@ def main():
         for name, ops in builds.items():
             for lin in linears:
                 lin._ops = ops
+            cpu_backend._kernel = lambda module=attention[name]: module
             t = time.perf_counter()
             out = llm.generate([prompt], params, use_tqdm=False)
             gen[name].append(time.perf_counter() - t)

@@ -24,12 +24,17 @@ SHAPES = [(8960, 1536), (1536, 8960), (2048, 1536)]
 ROWS = [1, 4, 16, 64, 128, 256]   # 128: the smallest int8 call on AMX tiles
 
 
-def build_other(commit: str):
-    src = subprocess.run(["git", "show", f"{commit}:specserve/kernels/quant_linear.cpp"], check=True,
+def other_source(commit: str, name: str = "quant_linear.cpp") -> Path:
+    """``specserve/kernels/<name>`` as of ``commit``, written to a new temporary folder."""
+    src = subprocess.run(["git", "show", f"{commit}:specserve/kernels/{name}"], check=True,
                          capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="kernel_bench_")) / "quant_linear.cpp"
+    path = Path(tempfile.mkdtemp(prefix="kernel_bench_")) / name
     path.write_text(src)
-    return build_quant_ops(vnni=cpu_has_vnni(), source=path)
+    return path
+
+
+def build_other(commit: str):
+    return build_quant_ops(vnni=cpu_has_vnni(), source=other_source(commit))
 
 
 def time_pair(builds, layout, q, x, out, rounds: int) -> list[float]:

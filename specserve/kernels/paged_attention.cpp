@@ -14,7 +14,11 @@
 // whatever the batch holds (the scores of its keys in position order, their maximum, exp, the sum
 // and the weighted values accumulated in position order), so a row's bits depend on its own query
 // and visible keys only: a decode, a (k+1)-row verify, a tree node and a prefill row over the same
-// keys give the same result. Compiled with -ffp-contract=off; every fused multiply-add is explicit.
+// keys give the same result. Within a task the work is blocked for speed, never reordered: scores of
+// 2 heads x 4 keys at once (8 independent dot-product chains hide the fma latency) and weighted
+// values of 2 heads x 32 lanes held in registers over all keys, each score and output lane with the
+// operations it gets alone. Tasks run kv-head-major, in chunks of equal work (a prefill's rows grow
+// longer). Compiled with -ffp-contract=off; every fused multiply-add is explicit.
 // torch/python.h (pybind11 and the tensor casters) and the few ATen headers used, not
 // torch/extension.h: the whole of torch's C++ API takes ~10 s more to compile per build.
 #include <torch/python.h>
@@ -24,6 +28,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -66,28 +71,74 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-// One task: query heads h0 .. h0+G-1 of row t (they share kv head g) over the row's visible keys.
-// Each key and value row is loaded once for the G heads; every (head, key) score and every output
-// lane still gets its own operations in key order. s: scratch of G * L floats; o: of G * D floats;
-// slots: of L int64.
+// Scores of NI query heads x NJ keys, each pair's dot product one chain: the product of the first
+// 8 lanes, fmas over the rest in lane-block order, hsum8, times scale. The block's chains
+// interleave (which hides the fma latency), and each still gets the operations it gets alone.
+template <int NI, int NJ>
+inline void score_block(const float* qi, int64_t D, const float* const* kj, float scale, float* si, int64_t L) {
+  __m256 acc[NI][NJ];
+  for (int i = 0; i < NI; ++i)
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_mul_ps(_mm256_loadu_ps(qi + i * D), _mm256_loadu_ps(kj[j]));
+  for (int64_t x = 8; x < D; x += 8) {
+    __m256 qv[NI];
+    for (int i = 0; i < NI; ++i) qv[i] = _mm256_loadu_ps(qi + i * D + x);
+    for (int j = 0; j < NJ; ++j) {
+      const __m256 kv = _mm256_loadu_ps(kj[j] + x);
+      for (int i = 0; i < NI; ++i) acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NI; ++i)
+    for (int j = 0; j < NJ; ++j) si[i * L + j] = hsum8(acc[i][j]) * scale;
+}
+
+// out lanes x..x + 8 NV - 1 of NI query heads: sum over the keys in position order of weight
+// times value row, fmas from zero (one chain per output lane, as the lanes' own order), then
+// times the head's 1 / sum; the accumulators stay in registers over all keys.
+template <int NI, int NV>
+inline void value_block(const float* si, int64_t L, const float* vg, int64_t ld, const int64_t* slots, int64_t x,
+                        const float* inv, float* oi, int64_t D) {
+  __m256 acc[NI][NV];
+  for (int i = 0; i < NI; ++i)
+    for (int u = 0; u < NV; ++u) acc[i][u] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vj = vg + slots[j] * ld + x;
+    __m256 vv[NV];
+    for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(vj + 8 * u);
+    for (int i = 0; i < NI; ++i) {
+      const __m256 w = _mm256_broadcast_ss(si + i * L + j);
+      for (int u = 0; u < NV; ++u) acc[i][u] = _mm256_fmadd_ps(w, vv[u], acc[i][u]);
+    }
+  }
+  for (int i = 0; i < NI; ++i)
+    for (int u = 0; u < NV; ++u)
+      _mm256_storeu_ps(oi + i * D + x + 8 * u, _mm256_mul_ps(acc[i][u], _mm256_set1_ps(inv[i])));
+}
+
+// One task: query heads g G .. g G + G - 1 of row t (they share kv head g) over the row's visible
+// keys. Every (head, key) score and every output lane gets its own operations in key order,
+// whatever the blocking: scores in blocks of 2 heads x 4 keys, weighted values in blocks of 2 heads
+// x 32 lanes kept in registers over all keys. s: scratch of G * L floats; slots: of L int64.
 void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, float scale, const float* q,
             const float* kc, const float* vc, const int64_t* seq_slots, int64_t prefix, int64_t block_len,
-            const uint8_t* mask, float* out, float* s, float* o, int64_t* slots) {
+            const uint8_t* mask, float* out, float* s, int64_t* slots) {
   int64_t L = 0;
   for (int64_t j = 0; j < prefix; ++j) slots[L++] = seq_slots[j];
   for (int64_t j = 0; j < block_len; ++j)
     if (mask[j]) slots[L++] = seq_slots[prefix + j];
-  const int64_t nv = D / 8;
   const float* qg = q + (t * H + g * G) * D;   // the G query heads, contiguous
-  for (int64_t j = 0; j < L; ++j) {
-    const float* kj = kc + (slots[j] * Hkv + g) * D;
-    for (int64_t i = 0; i < G; ++i) {
-      const float* qi = qg + i * D;
-      __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qi), _mm256_loadu_ps(kj));
-      for (int64_t v = 1; v < nv; ++v) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qi + 8 * v), _mm256_loadu_ps(kj + 8 * v), acc);
-      s[i * L + j] = hsum8(acc) * scale;
-    }
-  }
+  const int64_t ld = Hkv * D;                  // floats from one slot's rows to the next's
+  const float* kg = kc + g * D;
+  const float* vg = vc + g * D;
+  auto scores = [&](auto NJ, int64_t j) {
+    const float* kj[NJ];
+    for (int u = 0; u < NJ; ++u) kj[u] = kg + slots[j + u] * ld;
+    int64_t i = 0;
+    for (; i + 2 <= G; i += 2) score_block<2, NJ>(qg + i * D, D, kj, scale, s + i * L + j, L);
+    if (i < G) score_block<1, NJ>(qg + i * D, D, kj, scale, s + i * L + j, L);
+  };
+  int64_t j = 0;
+  for (; j + 4 <= L; j += 4) scores(std::integral_constant<int, 4>{}, j);
+  for (; j < L; ++j) scores(std::integral_constant<int, 1>{}, j);
   alignas(32) float inv[64];
   for (int64_t i = 0; i < G; ++i) {
     // maximum (exact whatever the order), then the weights and their sum lane by lane: lane l sums
@@ -115,21 +166,15 @@ void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, 
     }
     inv[i] = 1.0f / hsum8(lsum);
   }
-  for (int64_t x = 0; x < G * D; x += 8) _mm256_storeu_ps(o + x, _mm256_setzero_ps());
-  for (int64_t j = 0; j < L; ++j) {
-    const float* vj = vc + (slots[j] * Hkv + g) * D;
-    for (int64_t v = 0; v < nv; ++v) {
-      const __m256 vv = _mm256_loadu_ps(vj + 8 * v);
-      for (int64_t i = 0; i < G; ++i) {
-        float* oi = o + i * D + 8 * v;
-        _mm256_storeu_ps(oi, _mm256_fmadd_ps(_mm256_set1_ps(s[i * L + j]), vv, _mm256_loadu_ps(oi)));
-      }
-    }
-  }
   float* og = out + (t * H + g * G) * D;
-  for (int64_t i = 0; i < G; ++i)
-    for (int64_t v = 0; v < nv; ++v)
-      _mm256_storeu_ps(og + i * D + 8 * v, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8 * v), _mm256_set1_ps(inv[i])));
+  auto values = [&](auto NI, int64_t i) {
+    int64_t x = 0;
+    for (; x + 32 <= D; x += 32) value_block<NI, 4>(s + i * L, L, vg, ld, slots, x, inv + i, og + i * D, D);
+    for (; x < D; x += 8) value_block<NI, 1>(s + i * L, L, vg, ld, slots, x, inv + i, og + i * D, D);
+  };
+  int64_t i = 0;
+  for (; i + 2 <= G; i += 2) values(std::integral_constant<int, 2>{}, i);
+  if (i < G) values(std::integral_constant<int, 1>{}, i);
 }
 
 }  // namespace
@@ -176,13 +221,30 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   const float* vp = value_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> s(static_cast<size_t>(G * std::max<int64_t>(max_len, 1))), o(static_cast<size_t>(G * D));
+  // Tasks (kv head g, row t), g-major (a thread's tasks share one head's keys and values), cut in
+  // chunks of about equal work (a row's visible keys): a prefill's long last rows would otherwise all
+  // fall to one thread. A task's result does not depend on its chunk or thread.
+  const int64_t tasks = T * Hkv;
+  const int64_t nchunks = std::min<int64_t>(tasks, 8 * at::get_num_threads());
+  std::vector<int64_t> bounds{0};
+  {
+    int64_t row_work = 0;
+    for (int64_t t = 0; t < T; ++t) row_work += pf[t] + bl[t] + 16;   // 16: a task's fixed cost in keys
+    const double per_chunk = static_cast<double>(row_work * Hkv) / static_cast<double>(nchunks);
+    int64_t done = 0;
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t t = task % T;
+      done += pf[t] + bl[t] + 16;
+      if (done >= per_chunk * static_cast<double>(bounds.size()) && task + 1 < tasks) bounds.push_back(task + 1);
+    }
+    bounds.push_back(tasks);
+  }
+  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> s(static_cast<size_t>(G * std::max<int64_t>(max_len, 1)));
     std::vector<int64_t> slots(static_cast<size_t>(std::max<int64_t>(max_len, 1)));
-    for (int64_t task = b; task < e; ++task) {
-      const int64_t t = task / Hkv, g = task % Hkv;
-      attend(t, g, G, D, H, Hkv, sc, qp, kp, vp, ss + rs[t], pf[t], bl[t], mk + t * W, op, s.data(), o.data(),
-             slots.data());
+    for (int64_t task = bounds[c0]; task < bounds[c1]; ++task) {
+      const int64_t g = task / T, t = task % T;
+      attend(t, g, G, D, H, Hkv, sc, qp, kp, vp, ss + rs[t], pf[t], bl[t], mk + t * W, op, s.data(), slots.data());
     }
   });
   return out;
