@@ -50,11 +50,12 @@ def test_kernel_matches_float64_reference(layout, shape):
 def test_activation_quantization_matches_reference():
     from specserve.kernels import quant_ops
 
-    x = _inputs(5, 896)
+    x = torch.cat([_inputs(5, 896), torch.zeros(1, 896), _inputs(3, 896) * torch.tensor([[1e-30], [1e30], [-7.0]])])
+    x[8, 100] = -0.0
     xq, dx, bsum = quant_ops().quantize_rows(x)
     ref_q, ref_d = quantize_rows_reference(x)
     assert torch.equal(xq[:, natural_order(896)], ref_q) and torch.equal(dx, ref_d)   # stored in kernel order
-    assert torch.equal(bsum, ref_q.view(5, -1, 32).sum(-1, dtype=torch.int32))
+    assert torch.equal(bsum, ref_q.view(9, -1, 32).sum(-1, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("k", [1536, 896, 64, 320])

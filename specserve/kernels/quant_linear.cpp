@@ -968,19 +968,35 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   float* dp = dx.data_ptr<float>();
   int32_t* bp = bsum.data_ptr<int32_t>();
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
-    int8_t q[kSuper];
+    alignas(32) int8_t q[kSuper];
+    const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     for (int64_t m = b; m < e; ++m) {
       for (int64_t s = 0; s < S; ++s) {
         const int64_t k0 = s * kSuper, len = std::min(kSuper, K - k0), nsub = len / 32;
         const float* xs = xp + m * K + k0;
+        // 8 lanes at a time, the scalar definition's values: the maximum is exact in any order
+        // (a NaN never wins, as with std::max), nearbyint is vroundps to nearest-even, the clamp
+        // sends a NaN to -127 as std::min(127, std::max(-127, v)) does
+        __m256 mx = _mm256_setzero_ps();
+        for (int64_t i = 0; i < len; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)), mx);
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, mx);
         float amax = 0.0f;
-        for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(xs[i]));
+        for (float v : lanes) amax = std::max(amax, v);
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         dp[m * S + s] = amax / 127.0f;
-        for (int64_t i = 0; i < len; ++i) {
-          float v = std::nearbyint(xs[i] * inv);
-          v = std::min(127.0f, std::max(-127.0f, v));
-          q[i] = static_cast<int8_t>(v);
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int64_t i = 0; i < len; i += 32) {
+          __m256i w[4];
+          for (int u = 0; u < 4; ++u) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * u), iv),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            w[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+          }
+          // int32 -> int8 with saturation (exact: |v| <= 127); the packs interleave 128-bit lanes
+          const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q + i),
+                             _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
         }
         for (int64_t j = 0; j < nsub; ++j) {
           int32_t t = 0;
