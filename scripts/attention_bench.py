@@ -49,7 +49,7 @@ CASES = {
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--against", default="3f1fc1f", help="the commit whose kernel is 'old'")
+    ap.add_argument("--against", default="188c35e", help="the commit whose kernel is 'old'")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
     old = _build(other_source(args.against, "paged_attention.cpp"), list(_AVX2_FLAGS), "paged_attention", "")

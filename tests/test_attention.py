@@ -214,6 +214,38 @@ def test_kernel_rows_are_batch_invariant(h, hkv, d):
 
 
 @needs_kernel
+@pytest.mark.parametrize("h,hkv", [(6, 2), (2, 2)], ids=["group-of-3", "no-groups"])
+def test_kernel_blocks_keep_each_rows_bits(h, hkv):
+    """The kernel blocks 2 heads x 4 keys (scores) and 2 heads x 32 lanes (values) without reordering
+    a row's operations: every row of a 23-token prefill (1..23 visible keys: every remainder of 4)
+    gives the bits it gives decoded alone; rotating the query heads inside each kv group (a head
+    moves between a 2-head block and the odd tail) rotates the outputs, bit for bit; and every row
+    matches float64 to 1e-5."""
+    d, bs, n = 40, 4, 23
+    kc, vc, tables = _random_paged([n], hkv, d, bs, seed=7)
+    q = torch.randn(n, h, d, generator=torch.Generator().manual_seed(8)) * 2
+    backend = CpuAttentionBackend(h, hkv, d)
+    flat_k, flat_v = kc.view(-1, hkv, d), vc.view(-1, hkv, d)
+
+    def run(queries, context, rows):
+        md = AttentionMetadata.build(tables, [context], [rows], bs)
+        return backend.forward(queries, flat_k[md.slot_mapping].clone(), flat_v[md.slot_mapping].clone(), kc, vc, md)
+
+    prefill = run(q, 0, n)
+    for r in range(n):
+        assert torch.equal(run(q[r:r + 1], r, 1)[0], prefill[r]), r
+    group = h // hkv
+    rotate = torch.tensor([g * group + (i + 1) % group for g in range(hkv) for i in range(group)])
+    assert torch.equal(run(q[:, rotate], 0, n), prefill[:, rotate])
+    keys = flat_k[AttentionMetadata.build(tables, [0], [n], bs).slot_mapping].double().repeat_interleave(group, 1)
+    vals = flat_v[AttentionMetadata.build(tables, [0], [n], bs).slot_mapping].double().repeat_interleave(group, 1)
+    for r in range(n):
+        s_r = torch.einsum("hd,nhd->hn", q[r].double(), keys[:r + 1]) / math.sqrt(d)
+        ref = torch.einsum("hn,nhd->hd", s_r.softmax(-1), vals[:r + 1])
+        assert torch.allclose(prefill[r].double(), ref, atol=1e-5, rtol=0), r
+
+
+@needs_kernel
 def test_kernel_falls_back_where_it_does_not_serve(monkeypatch):
     """``SPECSERVE_ATTENTION=torch``, float64 caches and a head dim not a multiple of 8 run the
     reference backend (equal bits); the kernel itself differs from it only by rounding."""

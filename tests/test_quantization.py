@@ -58,6 +58,32 @@ def test_activation_quantization_matches_reference():
     assert torch.equal(bsum, ref_q.view(9, -1, 32).sum(-1, dtype=torch.int32))
 
 
+def test_activation_quantization_of_non_finite_and_subnormal_rows():
+    """Hand-derived values where the float reference cannot speak: a NaN is left out of the
+    maximum and quantizes to -127 (the clamp's order); an infinity makes the scale infinite and
+    1 / scale zero, so finite values give 0 and the infinity (inf * 0 = NaN) -127; a subnormal
+    superblock overflows 127 / amax to infinity, so every value goes to +-127."""
+    from specserve.kernels import quant_ops
+
+    k = 256
+    x = _inputs(3, k)
+    x[0, 17] = float("nan")
+    x[1, 40] = float("inf")
+    x[2] = (1 + torch.rand(k)) * 1e-42 * torch.where(torch.rand(k) < 0.5, -1.0, 1.0)
+    assert x[2].abs().min() > 0 and x[2].abs().max() < torch.finfo(torch.float32).tiny
+    xq, dx, _ = quant_ops().quantize_rows(x)
+    xq = xq[:, natural_order(k)]
+    finite = x[0].clone()
+    finite[17] = 0.0
+    ref_q, ref_d = quantize_rows_reference(finite[None])
+    assert xq[0, 17] == -127 and torch.equal(xq[0, :17], ref_q[0, :17]) and torch.equal(xq[0, 18:], ref_q[0, 18:])
+    assert torch.equal(dx[0], ref_d[0])
+    assert dx[1, 0] == float("inf") and xq[1, 40] == -127
+    assert torch.count_nonzero(xq[1]) == 1
+    assert torch.equal(xq[2], torch.where(x[2] > 0, 127, -127).to(torch.int8))
+    assert dx[2, 0] == x[2].abs().max() / 127
+
+
 @pytest.mark.parametrize("k", [1536, 896, 64, 320])
 def test_kernel_order_transposes_groups_of_four(k):
     """Hand-checked map: position t*4B + 4b + i holds column 32b + 4t + i in each superblock, and
@@ -117,7 +143,7 @@ def test_result_independent_of_thread_count(layout):
 
 
 @pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
-@pytest.mark.parametrize("k", [1536, 896, 2304])
+@pytest.mark.parametrize("k", [1536, 896, 2304, 2176])
 @pytest.mark.parametrize("m", [7, 21, 37, 134, 330])
 def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
     """The VNNI dot product (scales applied per lane after the superblock; whole superblocks on
@@ -127,7 +153,8 @@ def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
     pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16, and 41 leaves one alone);
     with AMX, 37, 134 and 330 rows (32-row blocks and a mostly empty one), weight rows 0-31 on
     tiles and the 9 others on vectors, and 2304 columns (nine superblocks: the tiles' float work in
-    passes; 330 rows: two passes over the activations)."""
+    passes; 330 rows: two passes over the activations) and 2176 (a short superblock in the last
+    pass)."""
     amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
     assert all(ops.amx_enabled() for ops in amx)   # granted by the OS: the tiles really run
     builds = amx + [build_quant_ops(vnni=True, zmm=True, amx=False), build_quant_ops(vnni=True, zmm=False),

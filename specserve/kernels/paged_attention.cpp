@@ -215,6 +215,7 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   }
   for (int64_t i = 0; i < total; ++i) TORCH_CHECK(ss[i] >= 0 && ss[i] < num_slots, "slot ", ss[i], " out of range");
   auto out = at::empty_like(query);
+  if (T == 0) return out;
   const int64_t G = H / Hkv;
   const float* qp = query.data_ptr<float>();
   const float* kp = key_cache.data_ptr<float>();
@@ -222,8 +223,10 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // Tasks (kv head g, row t), g-major (a thread's tasks share one head's keys and values), cut in
-  // chunks of about equal work (a row's visible keys): a prefill's long last rows would otherwise all
-  // fall to one thread. A task's result does not depend on its chunk or thread.
+  // chunks of about equal work (a row's prefix and draft block, a bound on its visible keys): a
+  // prefill's long last rows would otherwise all fall to one thread, since at::parallel_for splits
+  // its range statically; 8 chunks per thread even out what the estimate misses. A task's result
+  // does not depend on its chunk or thread.
   const int64_t tasks = T * Hkv;
   const int64_t nchunks = std::min<int64_t>(tasks, 8 * at::get_num_threads());
   std::vector<int64_t> bounds{0};

@@ -718,7 +718,7 @@ class AlignedFloats {
 // runs 32 x 32 blocks over PassSuperblocks superblocks at a time: per sub-block one 2 x 2 tile
 // product, then the float work on the four 16 x 16 blocks of sums. A superblock has SubBlocks
 // sub-blocks of 32 / (SubBlocks / 8) values; a short one's missing blocks get zero sums. The
-// layout's per-thread Group (made by make_group) does the layout's parts:
+// layout's per-thread struct (Int4 or Int8, made by make_group) does the layout's parts:
 //   widen(n): weight rows n..n+31 into the tiles' layout;
 //   products(c, rb, s, b): sub-block b of superblock s for activation rows 16 rb..16 rb + 31
 //     into c (int32 [4, 16, 16], amx_2x2's order);
@@ -776,9 +776,9 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
       float* out;
       int64_t ldo;
       void widen(int64_t n) { amx_weights(n, K, S, qs, sc, mn, wa.data(), scf.data(), mnf.data()); }
-      void products(int32_t* c, int64_t rb, int64_t s, int64_t j) {
-        const uint8_t* ws = wa.data() + (s * 8 + j) * kAmxWeightRows * 32;
-        const uint8_t* xs = xb + (rb * S + s) * 8 * 512 + j * 512;
+      void products(int32_t* c, int64_t rb, int64_t s, int64_t b) {
+        const uint8_t* ws = wa.data() + (s * 8 + b) * kAmxWeightRows * 32;
+        const uint8_t* xs = xb + (rb * S + s) * 8 * 512 + b * 512;
         amx_2x2(c, ws, ws + 16 * 32, 32, xs, xs + S * 8 * 512, 64);   // activation rows 16 (rb + 1).. second
       }
       void outputs(int64_t blk, int64_t n, int64_t rb, int64_t s0, int64_t s1, const int32_t* c, float* acc) {
@@ -800,7 +800,7 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
 // q8_rows' order (each lane's two sub-blocks times their int8 scales, summed as int32, converted,
 // one fma per superblock; hsum8's order at the end), with the 16 lanes of a vector holding 16
 // weight rows: q8_rows' bits.
-constexpr int64_t kAmx8Superblocks = 4;   // superblocks per pass of the float work (64 KB of sums each)
+constexpr int64_t kAmx8Superblocks = 4;   // superblocks per pass of the float work (~64 KB of sums each)
 constexpr int64_t kAmx8MinRows = 128;   // twice the sums and float work of int4: no faster than q8_rows below
 
 // Activations as tdpbusd's first operand: xa[((rb * S + s) * 16 + 2j + h) * 256 + 16r + 4t + i] =
@@ -975,7 +975,7 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
         const int64_t k0 = s * kSuper, len = std::min(kSuper, K - k0), nsub = len / 32;
         const float* xs = xp + m * K + k0;
         // 8 lanes at a time, the scalar definition's values: the maximum is exact in any order
-        // (a NaN never wins, as with std::max), nearbyint is vroundps to nearest-even, the clamp
+        // (a NaN never wins, as with std::max), nearbyint is vroundps in the current rounding mode, the clamp
         // sends a NaN to -127 as std::min(127, std::max(-127, v)) does
         __m256 mx = _mm256_setzero_ps();
         for (int64_t i = 0; i < len; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)), mx);
@@ -990,7 +990,7 @@ std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
           __m256i w[4];
           for (int u = 0; u < 4; ++u) {
             const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * u), iv),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
             w[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
           }
           // int32 -> int8 with saturation (exact: |v| <= 127); the packs interleave 128-bit lanes
