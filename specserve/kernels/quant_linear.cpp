@@ -715,17 +715,22 @@ class AlignedFloats {
 
 // The loops both AMX paths share. Threads split weight rows 0..N-1 (a multiple of 32) in groups
 // of 32; each widens a group's weights once per pass over amx_row_chunk activation rows, and
-// runs 32 x 32 blocks over PassSuperblocks superblocks at a time: per sub-block one 2 x 2 tile
-// product, then the float work on the four 16 x 16 blocks of sums. A superblock has SubBlocks
-// sub-blocks of 32 / (SubBlocks / 8) values; a short one's missing blocks get zero sums. The
-// layout's per-thread struct (Int4 or Int8, made by make_group) does the layout's parts:
+// runs 32 x 32 blocks over kPassSuperblocks superblocks at a time: per sub-block one 2 x 2 tile
+// product, then the float work on the four 16 x 16 blocks of sums. A superblock has kSubBlocks
+// sub-blocks of 32 / (kSubBlocks / 8) values; a short one's missing blocks get zero sums. The
+// layout's per-thread struct (Int4 or Int8, made by make_group) names its tile Config and those
+// constants, and does the layout's parts:
 //   widen(n): weight rows n..n+31 into the tiles' layout;
 //   products(c, rb, s, b): sub-block b of superblock s for activation rows 16 rb..16 rb + 31
 //     into c (int32 [4, 16, 16], amx_2x2's order);
 //   outputs(blk, n, rb, s0, s1, c, acc): the float work of block blk (0-3) of those sums, with
-//     16 * AccFloats floats of partial sums in acc.
-template <typename Config, int64_t SubBlocks, int64_t PassSuperblocks, int64_t AccFloats, typename MakeGroup>
+//     16 * kAccFloats floats of partial sums in acc.
+template <typename MakeGroup>
 void amx_matmul(int64_t Mp, int64_t N, int64_t K, int64_t S, MakeGroup&& make_group) {
+  using Group = decltype(make_group());
+  using Config = typename Group::Config;
+  constexpr int64_t SubBlocks = Group::kSubBlocks, PassSuperblocks = Group::kPassSuperblocks;
+  constexpr int64_t AccFloats = Group::kAccFloats;
   const int64_t chunk = amx_row_chunk(Mp, K);
   at::parallel_for(0, N / kAmxWeightRows, 1, [&](int64_t g0, int64_t g1) {
     const Config cfg;
@@ -766,8 +771,11 @@ void q4_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
   std::vector<uint8_t> xb(static_cast<size_t>(Mp / 16 * S * 8 * 512), 0);
   std::vector<float> dsT(static_cast<size_t>(S * Mp), 0.0f), bvT(static_cast<size_t>(8 * S * Mp), 0.0f);
   amx_activations(M, Mp, K, S, xq, dx, bsum, xb.data(), dsT.data(), bvT.data());
-  amx_matmul<TileConfig, 8, kAmxSuperblocks, 256>(Mp, N, K, S, [&] {
+  amx_matmul(Mp, N, K, S, [&] {
     struct Int4 {
+      using Config = TileConfig;
+      // 32-value sub-blocks; amx_outputs keeps 16 x 256 partial sums per block (acc and macc)
+      enum : int64_t { kSubBlocks = 8, kPassSuperblocks = kAmxSuperblocks, kAccFloats = 256 };
       std::vector<uint8_t> wa;
       std::vector<float> scf, mnf;
       int64_t M, K, S;
@@ -906,8 +914,11 @@ void q8_matmul_amx(int64_t M, int64_t N, int64_t K, int64_t S, const int8_t* xq,
   const int64_t Mp = (M + 31) / 32 * 32;
   std::vector<uint8_t> xa(static_cast<size_t>(Mp / 16 * S * 16 * 256), 0);
   amx8_activations(M, Mp, K, S, xq, xa.data());
-  amx_matmul<Amx8TileConfig, 16, kAmx8Superblocks, 128>(Mp, N, K, S, [&] {
+  amx_matmul(Mp, N, K, S, [&] {
     struct Int8 {
+      using Config = Amx8TileConfig;
+      // 16-value sub-blocks; amx8_outputs keeps 16 x 128 partial sums per block
+      enum : int64_t { kSubBlocks = 16, kPassSuperblocks = kAmx8Superblocks, kAccFloats = 128 };
       std::vector<int8_t> wb;
       std::vector<int32_t> wsum, se, so;
       std::vector<float> dw;
