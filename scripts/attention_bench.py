@@ -13,9 +13,9 @@ import statistics
 import time
 
 import torch
-from kernel_bench import other_source
+from kernel_bench import build_other_attention
 
-from specserve.kernels import _AVX2_FLAGS, _build, attention_ops
+from specserve.kernels import attention_ops
 
 
 def case(rows: int, context: int, h: int, hkv: int, d: int, tree: bool = False) -> tuple:
@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--against", default="188c35e", help="the commit whose kernel is 'old'")
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args()
-    old = _build(other_source(args.against, "paged_attention.cpp"), list(_AVX2_FLAGS), "paged_attention", "")
+    old = build_other_attention(args.against)
     builds = (old, attention_ops())
     torch.manual_seed(0)
     print("| case | old ms | new ms | old / new | same bits |")

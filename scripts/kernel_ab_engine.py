@@ -15,11 +15,11 @@ import gc
 import statistics
 import time
 
-from kernel_bench import build_other, other_source
+from kernel_bench import build_other, build_other_attention
 
 from specserve.attention import cpu_backend
 from specserve.entrypoints.llm import LLM
-from specserve.kernels import _AVX2_FLAGS, _build, attention_ops, quant_ops
+from specserve.kernels import attention_ops, quant_ops
 from specserve.models.linear import QuantizedLinear
 from specserve.sampling_params import SamplingParams
 from specserve.training.corpus import stdlib_documents
@@ -36,9 +36,7 @@ def main():
     # no prefix caching: every round prefills the same prompts again
     llm = LLM("qwen2.5-coder-1.5b-instruct", quantization="int4", speculative_config=spec, enable_prefix_caching=False)
     builds = {"old": build_other(args.against), "new": quant_ops()}
-    attention = {"old": _build(other_source(args.against, "paged_attention.cpp"), list(_AVX2_FLAGS),
-                               "paged_attention", ""),
-                 "new": attention_ops()}
+    attention = {"old": build_other_attention(args.against), "new": attention_ops()}
     linears = [m for m in gc.get_objects() if isinstance(m, QuantizedLinear)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"

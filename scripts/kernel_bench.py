@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specserve.kernels import build_quant_ops, cpu_has_vnni, quant_ops
+from specserve.kernels import build_attention_ops, build_quant_ops, cpu_has_vnni, quant_ops
 from specserve.models.quantization import quantize
 
 SHAPES = [(8960, 1536), (1536, 8960), (2048, 1536)]
@@ -35,6 +35,10 @@ def other_source(commit: str, name: str = "quant_linear.cpp") -> Path:
 
 def build_other(commit: str):
     return build_quant_ops(vnni=cpu_has_vnni(), source=other_source(commit))
+
+
+def build_other_attention(commit: str):
+    return build_attention_ops(other_source(commit, "paged_attention.cpp"))
 
 
 def time_pair(builds, layout, q, x, out, rounds: int) -> list[float]:

@@ -142,8 +142,17 @@ def attention_ops():
     Raises:
         KernelUnavailableError: no AVX2 on this CPU, or the extension does not build.
     """
-    return _load_once("paged_attention", "the CPU attention kernels", "",
-                      lambda: _build(_ATTENTION_SOURCE, list(_AVX2_FLAGS), "paged_attention", ""))
+    return _load_once("paged_attention", "the CPU attention kernels", "", build_attention_ops)
+
+
+def build_attention_ops(source: Path = _ATTENTION_SOURCE):
+    """Compile (or load from the on-disk cache) the paged-attention kernel; ``source``: another
+    version of ``paged_attention.cpp`` (``scripts/attention_bench.py`` times one against this).
+
+    Raises:
+        KernelUnavailableError: the extension does not build (the compiler's last line).
+    """
+    return _build(Path(source), list(_AVX2_FLAGS), "paged_attention", "")
 
 
 def build_directory(source: Path, flags: list[str], stem: str) -> Path:
