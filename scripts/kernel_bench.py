@@ -7,7 +7,8 @@ Both builds run in one process, alternating batches of max(3, 100 / M) calls wit
 1.5B target's shapes. The weights' integers are random bytes to the timing, so one quantized
 tensor serves both orders. Prints ms per call, old / new. With --cold-mb, each batch instead
 calls once on each of enough copies of the weight to fill that many MB, so that every call reads
-its weight from memory, as a decode step does (one weight in a loop stays in the L2 / L3 cache).
+its weight from memory, as a decode step does (one weight in a loop stays in the L2 / L3 cache);
+take several times the last-level cache (`lscpu`): at 1.7x it, some reads still hit it.
 Run it alone: two torch processes on two cores slow each other far more than 2x.
 """
 import argparse

@@ -63,7 +63,7 @@ constexpr int64_t kSuper = 256;   // superblock length along k
 constexpr int64_t kRowBlock = 64; // rows processed per pass over a thread's weight rows
 
 // Decode and verify read every weight byte once, from memory: the hardware prefetcher alone kept a
-// one-row call at ~12-15 GB/s where this machine streams ~22 (measured on a Xeon with AMX). Each
+// one-row call at ~11-14 GB/s where this machine streams ~22 (measured on a Xeon with AMX). Each
 // superblock therefore asks for the weight lines kPrefetchBytes ahead in its thread's stream (a
 // thread's weight rows are contiguous); 2-4 KB measured alike, 6 KB slowed one int8 shape. A
 // prefetch never faults, so it may run past the tensor's end. It changes no value.
