@@ -1,13 +1,14 @@
 """The int4 1.5B target with this checkout's kernels against another commit's, in one process.
 
-    python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp] [--rounds 4]
+    python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp [--k 3]] [--decode-only] [--max-k 0] [--rounds 4]
 
 Every quantized linear's kernel module and the paged-attention kernel are swapped between runs,
 alternating old / new per round (the same weights, so the machine's drift hits both): a greedy
-48-token generation (plain decode, or `mtp` with k = 3 and the shipped head), the time to first
-token of a 1,024-token prompt (standard-library text, one generated token: the serving prefill),
-and the hidden-state precompute's forward (4 segments of 512 standard-library tokens with the
-fused layers 2, 14, 25, as `train-head` runs it). Prints medians; the generated tokens must be
+48-token generation (plain decode, or `mtp` with k = 3 and the shipped head: verifies of k + 1
+rows), and unless --decode-only the time to first token of a 1,024-token prompt (standard-library
+text, one generated token: the serving prefill) and the hidden-state precompute's forward (4
+segments of 512 standard-library tokens with the fused layers 2, 14, 25, as `train-head` runs it);
+with --max-k, also `specserve bench`'s verify cost V(k) for k = 1..max-k (context 100 tokens). Prints medians; the generated tokens must be
 equal (the kernels' bits are). Run it alone.
 """
 import argparse
@@ -18,6 +19,7 @@ import time
 from kernel_bench import build_other, build_other_attention
 
 from specserve.attention import cpu_backend
+from specserve.benchmarks.bench import measure_vk
 from specserve.entrypoints.llm import LLM
 from specserve.kernels import attention_ops, quant_ops
 from specserve.models.linear import QuantizedLinear
@@ -29,10 +31,13 @@ from specserve.training.hidden_states import _run_segments
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--against", default="00784f9", help="the commit whose kernel is 'old'")
-    ap.add_argument("--mtp", action="store_true", help="generate with method mtp, k = 3 (the shipped head)")
+    ap.add_argument("--mtp", action="store_true", help="generate with method mtp (the shipped head)")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens with --mtp")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill timings")
+    ap.add_argument("--max-k", type=int, default=0, help="also V(k) for k = 1..max-k (0: none)")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
-    spec = {"method": "mtp", "num_speculative_tokens": 3} if args.mtp else None
+    spec = {"method": "mtp", "num_speculative_tokens": args.k} if args.mtp else None
     # no prefix caching: every round prefills the same prompts again
     llm = LLM("qwen2.5-coder-1.5b-instruct", quantization="int4", speculative_config=spec, enable_prefix_caching=False)
     builds = {"old": build_other(args.against), "new": quant_ops()}
@@ -46,6 +51,7 @@ def main():
     one = SamplingParams(temperature=0, max_tokens=1)
     engine = llm.llm_engine
     gen, pre, ttft, tokens = {k: [] for k in builds}, {k: [] for k in builds}, {k: [] for k in builds}, {}
+    vk = {name: {k: [] for k in range(1, args.max_k + 1)} for name in builds}
     for _ in range(args.rounds):
         for name, ops in builds.items():
             for lin in linears:
@@ -55,6 +61,11 @@ def main():
             out = llm.generate([prompt], params, use_tqdm=False)
             gen[name].append(time.perf_counter() - t)
             tokens.setdefault(name, out[0].outputs[0].token_ids)
+            if args.max_k:
+                for row in measure_vk(engine, ids[:100], args.max_k, repeats=3)["vk"]:
+                    vk[name][row["k"]].append(row["v"])
+            if args.decode_only:
+                continue
             t = time.perf_counter()
             out = llm.generate([long_prompt], one, use_tqdm=False)
             ttft[name].append(time.perf_counter() - t)
@@ -68,12 +79,15 @@ def main():
                 model.aux_hidden_state_layers = previous
     for name in builds:
         g = statistics.median(gen[name])
-        line = (f"{name}: {'mtp k=3' if args.mtp else 'plain'} {48 / g:.2f} tok/s (median of {args.rounds}), "
-                f"time to first token of 1,024 prompt tokens {statistics.median(ttft[name]):.2f} s")
+        line = f"{name}: {f'mtp k={args.k}' if args.mtp else 'plain'} {48 / g:.2f} tok/s (median of {args.rounds})"
+        if ttft[name]:
+            line += f", time to first token of 1,024 prompt tokens {statistics.median(ttft[name]):.2f} s"
         if pre[name]:
             line += f", precompute prefill {2048 / statistics.median(pre[name]):.1f} tok/s"
+        if args.max_k:
+            line += ", V(k) " + ", ".join(f"{statistics.median(v):.2f}" for v in vk[name].values())
         print(line)
-    print("same tokens:", tokens["old"] == tokens["new"] and tokens["old first"] == tokens["new first"])
+    print("same tokens:", all(tokens[k] == tokens[k.replace("old", "new")] for k in tokens if k.startswith("old")))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@
 #include <cstdint>
 #include <cstring>
 
-// 512-bit paths (q4_super512, q4_rows_zmm, q8_super_signed512): built where the CPU runs 512-bit
+// 512-bit paths (q4_super512, q4_rows_zmm, q8_super512_pairs, q8_rows_zmm): built where the CPU runs 512-bit
 // instructions at full width (build_quant_ops defines SPECSERVE_ZMM where
 // specserve.kernels.cpu_runs_512bit_at_full_width).
 #if defined(SPECSERVE_ZMM) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -148,6 +148,10 @@ constexpr int kWeightRows = 2;
 constexpr int kWeightRows = 1;
 #endif
 constexpr int64_t kPairMinRows = 16;
+// Activation rows per group of one weight row: 512-bit builds' 32 registers hold the sums of 6
+// (a speculative verify of k + 1 <= 6 rows unpacks each weight once); AVX2's 16 hold 4. Two
+// weight rows take groups of 4.
+constexpr int kRowGroup = KERNEL_ZMM ? 6 : 4;
 
 __attribute__((always_inline)) inline __m256 lanes_f32(const float* p, int64_t n) {
   if (n == 8) return _mm256_loadu_ps(p);
@@ -189,21 +193,29 @@ __attribute__((always_inline)) inline void q4_super(__m256i* isum, int64_t W, co
 }
 
 #if KERNEL_ZMM
-// The two 256-bit halves of v added lane by lane (exact int32 sums).
-inline __m256i add_halves(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+// [lo | hi] as one 512-bit vector, and its halves back.
+inline __m512 join(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m256 upper(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
-// q4_super for a full superblock on 64-byte vectors: half the loads and dot-product instructions.
-// 64 weight bytes hold kernel-order vectors t = 4p, 4p + 2 (low nibbles) and 4p + 1, 4p + 3 (high);
-// two 128-bit lane shuffles regroup them as [4p | 4p + 1] and [4p + 2 | 4p + 3], the order of 64
-// contiguous activation bytes. Lane j of the 512-bit sum holds block j mod 8 of one half; the two
-// halves are added at the end. Integer sums are exact in any order, so isum is q4_super's, bit
-// for bit, and so is everything computed from it. Built where 512-bit instructions run at full
-// width (KERNEL_ZMM), with q4_rows_zmm.
+// [u.lo + u.hi | v.lo + v.hi]: the 256-bit halves of two vectors added lane by lane (exact int32
+// sums), two rows' results in one vector for three instructions.
+inline __m512i pair_halves(__m512i u, __m512i v) {
+  return _mm512_add_epi32(_mm512_shuffle_i64x2(u, v, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_i64x2(u, v, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// q4_super's dot products for a full superblock on 64-byte vectors: half the loads and
+// dot-product instructions. 64 weight bytes hold kernel-order vectors t = 4p, 4p + 2 (low
+// nibbles) and 4p + 1, 4p + 3 (high); two 128-bit lane shuffles regroup them as [4p | 4p + 1] and
+// [4p + 2 | 4p + 3], the order of 64 contiguous activation bytes. Lane j of acc[b * R + r] holds
+// block j mod 8 of one half; q4_super512 adds the halves. Integer sums are exact in any order, so
+// the result is q4_super's, bit for bit, and so is everything computed from it. Built where
+// 512-bit instructions run at full width (KERNEL_ZMM), with q4_rows_zmm.
 template <int R, int NB>
-__attribute__((always_inline)) inline void q4_super512(__m256* fsum, const uint8_t* const* wq, const int8_t* xs,
-                                                       int64_t K, const __m256i* scv) {
+__attribute__((always_inline)) inline void q4_dots512(__m512i* acc, const uint8_t* const* wq, const int8_t* xs,
+                                                      int64_t K) {
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  __m512i acc[NB * R];
   for (int i = 0; i < NB * R; ++i) acc[i] = _mm512_setzero_si512();
   for (int64_t p = 0; p < 2; ++p) {
     __m512i a[NB], b2[NB];
@@ -222,12 +234,37 @@ __attribute__((always_inline)) inline void q4_super512(__m256* fsum, const uint8
       }
     }
   }
-  // the scale multiplies as a float: the sum, the scale and their product are integers below 2^24
-  // (see q4_rows), so exact, and one vmulps costs less than Intel's two-uop vpmulld
+}
+
+// The row of activation-row pair p that fills the upper half of a pair's vector: 2p + 1, or 2p
+// again for an odd last row.
+template <int R>
+constexpr int pair_row(int p) { return 2 * p + 1 < R ? 2 * p + 1 : 2 * p; }
+
+// The scaled sums of q4_super (as floats, exact) two activation rows to a vector, as q4_rows_zmm
+// consumes them: fpair[b * P + p] = [row 2p | row pair_row(p)] of weight row b, P = (R + 1) / 2.
+// pair_halves gives both rows' sums at once (an extract and an add per row before), and one
+// convert and one multiply by the scales serve both rows.
+// The scale multiplies as a float: the sum, the scale and their product are integers below 2^24
+// (see q4_rows), so exact, and one vmulps costs less than Intel's two-uop vpmulld.
+template <int R, int NB>
+__attribute__((always_inline)) inline void q4_super512(__m512* fpair, const uint8_t* const* wq, const int8_t* xs,
+                                                       int64_t K, const __m256i* scv) {
+  constexpr int P = (R + 1) / 2;
+  __m512i acc[NB * R];
+  q4_dots512<R, NB>(acc, wq, xs, K);
   for (int b = 0; b < NB; ++b) {
-    const __m256 scf = _mm256_cvtepi32_ps(scv[b]);
-    for (int r = 0; r < R; ++r) {
-      fsum[b * R + r] = _mm256_mul_ps(_mm256_cvtepi32_ps(add_halves(acc[b * R + r])), scf);
+    const __m256 scf8 = _mm256_cvtepi32_ps(scv[b]);
+    if constexpr (R == 1) {   // one row (decode): an extract and an add, the row in both halves
+      const __m512i v = acc[b];
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))), scf8);
+      fpair[b] = join(f, f);
+      continue;
+    }
+    const __m512 scf = join(scf8, scf8);
+    for (int p = 0; p < P; ++p) {
+      const __m512i sums = pair_halves(acc[b * R + 2 * p], acc[b * R + pair_row<R>(p)]);
+      fpair[b * P + p] = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), scf);
     }
   }
 }
@@ -286,12 +323,6 @@ inline void q4_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
 }
 
 #if KERNEL_ZMM
-// [lo | hi] as one 512-bit vector, and its halves back.
-inline __m512 join(__m256 lo, __m256 hi) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
-}
-inline __m256 upper(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-
 // q4_rows on 512-bit vectors: q4_super512 for whole superblocks, and the float work of two
 // activation rows per vector (rows 2p and 2p + 1 in the low and high halves; an odd last row
 // fills both). Every lane does q4_rows' operations on q4_rows' values, in the same order: the
@@ -302,7 +333,6 @@ inline void q4_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_
                         const float* bsum, const uint8_t* qs, const uint8_t* sc, const uint8_t* mn,
                         const float* d, const float* dmin, const float* bias, float* out, int64_t ldo) {
   constexpr int P = (R + 1) / 2;
-  auto row_b = [](int p) { return std::min(2 * p + 1, R - 1); };
   __m512 acc[NB * P], macc[NB * P];
   for (int i = 0; i < NB * P; ++i) { acc[i] = _mm512_setzero_ps(); macc[i] = _mm512_setzero_ps(); }
   for (int64_t s = 0; s < S; ++s) {
@@ -312,17 +342,19 @@ inline void q4_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_
     const uint8_t* wq[NB];
     __m256i scv[NB];
     q4_weight_rows<NB>(wq, scv, n, K, k0, nsub, qs, sc);
-    __m256 fsum[NB * R];   // q4_rows' converted isum (exact either way, see q4_super512)
+    __m512 fpair[NB * P];   // q4_rows' converted isum of rows 2p | pair_row(p) (exact, see q4_super512)
     if (nsub == 8) {
-      q4_super512<R, NB>(fsum, wq, xs, K, scv);
+      q4_super512<R, NB>(fpair, wq, xs, K, scv);
     } else {
       __m256i isum[NB * R];
       q4_super<R, NB>(isum, 4 * nsub, wq, xs, K, scv);
-      for (int i = 0; i < NB * R; ++i) fsum[i] = _mm256_cvtepi32_ps(isum[i]);
+      for (int b = 0; b < NB; ++b)
+        for (int p = 0; p < P; ++p)
+          fpair[b * P + p] = join(_mm256_cvtepi32_ps(isum[b * R + 2 * p]), _mm256_cvtepi32_ps(isum[b * R + pair_row<R>(p)]));
     }
     __m512 bv[P], ds[P];
     for (int p = 0; p < P; ++p) {
-      const int ra = 2 * p, rb = row_b(p);
+      const int ra = 2 * p, rb = pair_row<R>(p);
       bv[p] = join(lanes_f32(bsum + (r0 + ra) * (K / 32) + j0, nsub), lanes_f32(bsum + (r0 + rb) * (K / 32) + j0, nsub));
       ds[p] = join(_mm256_set1_ps(dx[(r0 + ra) * S + s]), _mm256_set1_ps(dx[(r0 + rb) * S + s]));
     }
@@ -331,8 +363,7 @@ inline void q4_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_
       const __m512 mv = join(mv8, mv8);
       const __m512 dw = _mm512_set1_ps(d[(n + b) * S + s]), dm = _mm512_set1_ps(dmin[(n + b) * S + s]);
       for (int p = 0; p < P; ++p) {
-        const __m512 f = join(fsum[b * R + 2 * p], fsum[b * R + row_b(p)]);
-        acc[b * P + p] = _mm512_fmadd_ps(f, _mm512_mul_ps(dw, ds[p]), acc[b * P + p]);
+        acc[b * P + p] = _mm512_fmadd_ps(fpair[b * P + p], _mm512_mul_ps(dw, ds[p]), acc[b * P + p]);
         macc[b * P + p] = _mm512_fmadd_ps(_mm512_mul_ps(mv, bv[p]), _mm512_mul_ps(dm, ds[p]), macc[b * P + p]);
       }
     }
@@ -371,14 +402,14 @@ __attribute__((always_inline)) inline void q8_super_signed(__m256i* isum, int64_
 }
 
 #if KERNEL_ZMM
-// q8_super_signed for a full superblock on 64-byte vectors (vectors t = 2q, 2q + 1; both even
-// sub-blocks for q < 2, both odd after). AVX-512 has no vpsignb: |w| by vpabsb, and x negated
-// where w < 0 by a masked subtraction from zero (where w = 0, |w| = 0 makes the product 0 as
-// vpsignb's would). The same integer products, summed exactly: q8_super_signed's isum.
+// q8_super_signed's dot products for a full superblock on 64-byte vectors (vectors t = 2q, 2q + 1;
+// both even sub-blocks for q < 2, both odd after): ea[r] and oa[r] hold each half's lanes.
+// AVX-512 has no vpsignb: |w| by vpabsb, and x negated where w < 0 by a masked subtraction from
+// zero (where w = 0, |w| = 0 makes the product 0 as vpsignb's would). The same integer products,
+// summed exactly.
 template <int R>
-__attribute__((always_inline)) inline void q8_super_signed512(__m256i* isum, const int8_t* wq, const int8_t* xs,
-                                                              int64_t K, __m256i se, __m256i so) {
-  __m512i ea[R], oa[R];
+__attribute__((always_inline)) inline void q8_dots512(__m512i* ea, __m512i* oa, const int8_t* wq, const int8_t* xs,
+                                                      int64_t K) {
   for (int r = 0; r < R; ++r) { ea[r] = _mm512_setzero_si512(); oa[r] = _mm512_setzero_si512(); }
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t q = 0; q < 4; ++q) {
@@ -391,9 +422,17 @@ __attribute__((always_inline)) inline void q8_super_signed512(__m256i* isum, con
       acc = _mm512_dpbusd_epi32(acc, aw, _mm512_mask_sub_epi8(x, neg, zero, x));
     }
   }
-  for (int r = 0; r < R; ++r)
-    isum[r] = _mm256_add_epi32(finish_scale(add_halves(ea[r]), se), finish_scale(add_halves(oa[r]), so));
 }
+
+// q8_super_signed's isum of one activation row from q8_dots512 (one-row calls: decode).
+__attribute__((always_inline)) inline __m256i q8_super_signed512(const int8_t* wq, const int8_t* xs, int64_t K,
+                                                                 __m256i se, __m256i so) {
+  __m512i ea[1], oa[1];
+  q8_dots512<1>(ea, oa, wq, xs, K);
+  auto halves = [](__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); };
+  return _mm256_add_epi32(_mm256_mullo_epi32(halves(ea[0]), se), _mm256_mullo_epi32(halves(oa[0]), so));
+}
+
 #endif
 
 // Several weight rows (VNNI only): the sign trick would cost a sign per row and activation, so
@@ -406,9 +445,11 @@ __attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, co
                                                     const __m256i* so) {
   if constexpr (NB == 1) {
 #if KERNEL_ZMM
-    if (W == 32) {
-      q8_super_signed512<R>(isum, wq[0], xs, K, se[0], so[0]);
-      return;
+    if constexpr (R == 1) {
+      if (W == 32) {
+        isum[0] = q8_super_signed512(wq[0], xs, K, se[0], so[0]);
+        return;
+      }
     }
 #endif
     q8_super_signed<R>(isum, W, wq[0], xs, K, se[0], so[0]);
@@ -485,16 +526,97 @@ inline void q8_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
   }
 }
 
-// Rows m0..m1-1 in groups of 4 (the remainder runs the same per-row arithmetic with R < 4).
-template <typename F>
+#if KERNEL_ZMM
+// q8_super_signed's isum two activation rows to a vector, as q8_rows_zmm consumes them:
+// ipair[p] = [isum of row 2p | isum of row pair_row(p)]. pair_halves gives both rows' sums at once
+// and one 512-bit vpmulld scales both: the same exact integers with fewer instructions.
+template <int R>
+__attribute__((always_inline)) inline void q8_super512_pairs(__m512i* ipair, const int8_t* wq, const int8_t* xs,
+                                                             int64_t K, __m512i se, __m512i so) {
+  constexpr int P = (R + 1) / 2;
+  __m512i ea[R], oa[R];
+  q8_dots512<R>(ea, oa, wq, xs, K);
+  for (int p = 0; p < P; ++p) {
+    const int u = 2 * p, v = pair_row<R>(p);
+    ipair[p] = _mm512_add_epi32(_mm512_mullo_epi32(pair_halves(ea[u], ea[v]), se),
+                                _mm512_mullo_epi32(pair_halves(oa[u], oa[v]), so));
+  }
+}
+
+// q8_rows for one weight row on 512-bit vectors: q8_super512_pairs for whole superblocks, and the
+// float work of two activation rows per vector (as q4_rows_zmm). Every lane does q8_rows'
+// operations on q8_rows' values in the same order (dw * ds is the same single rounding as a
+// vector), so each output has q8_rows' bits.
+template <int R>
+inline void q8_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
+                        const int8_t* qs, const int8_t* sc, const float* d, const float* bias, float* out,
+                        int64_t ldo) {
+  constexpr int P = (R + 1) / 2;
+  const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  auto join_i = [](__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); };
+  __m512 acc[P];
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t k0 = s * kSuper;
+    const int64_t nsub = std::min(kSuper, K - k0) / 32;
+    const __m128i sv = _mm256_castsi256_si128(load32(sc + n * (K / 16) + k0 / 16, 2 * nsub));
+    const __m256i se = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
+    const __m256i so = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
+    const int8_t* wq = qs + n * K + k0;
+    prefetch_ahead(wq, 4);   // a superblock's 256 bytes
+    const int8_t* xs = xq + r0 * K + k0;
+    __m512i ipair[P];
+    if (nsub == 8) {
+      q8_super512_pairs<R>(ipair, wq, xs, K, join_i(se, se), join_i(so, so));
+    } else {
+      __m256i isum[R];
+      q8_super_signed<R>(isum, 4 * nsub, wq, xs, K, se, so);
+      for (int p = 0; p < P; ++p) ipair[p] = join_i(isum[2 * p], isum[pair_row<R>(p)]);
+    }
+    const __m512 dw = _mm512_set1_ps(d[n * S + s]);
+    for (int p = 0; p < P; ++p) {
+      const __m512 ds = join(_mm256_set1_ps(dx[(r0 + 2 * p) * S + s]), _mm256_set1_ps(dx[(r0 + pair_row<R>(p)) * S + s]));
+      acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ipair[p]), _mm512_mul_ps(dw, ds), acc[p]);
+    }
+  }
+  const float bb = bias ? bias[n] : 0.0f;
+  for (int p = 0; p < P; ++p) {
+    out[(r0 + 2 * p) * ldo + n] = hsum8(_mm512_castps512_ps256(acc[p])) + bb;
+    if (2 * p + 1 < R) out[(r0 + 2 * p + 1) * ldo + n] = hsum8(upper(acc[p])) + bb;
+  }
+}
+#endif
+
+// Rows m0..m1-1 in groups of at most G, as even as possible (G = 6: 5 rows in one group, 7 as
+// 4 + 3, 13 as 5 + 4 + 4): every group pays the weights' unpacking once, so a lone last row costs
+// nearly as much as a full group. Every row gets the same arithmetic whatever its group (R).
+template <int G, typename F>
+__attribute__((always_inline)) inline void row_group(int64_t R, int64_t r, F&& f) {
+  static_assert(G >= 1 && G <= 6, "row groups are instantiated for R = 1..6");
+  switch (R) {
+    case 6: if constexpr (G >= 6) f(std::integral_constant<int, 6>{}, r); break;
+    case 5: if constexpr (G >= 5) f(std::integral_constant<int, 5>{}, r); break;
+    case 4: if constexpr (G >= 4) f(std::integral_constant<int, 4>{}, r); break;
+    case 3: if constexpr (G >= 3) f(std::integral_constant<int, 3>{}, r); break;
+    case 2: if constexpr (G >= 2) f(std::integral_constant<int, 2>{}, r); break;
+    default: f(std::integral_constant<int, 1>{}, r); break;
+  }
+}
+
+template <int G, typename F>
 inline void for_row_groups(int64_t m0, int64_t m1, F&& f) {
+  const int64_t rows = m1 - m0;
+  if (rows <= G) {   // decode and verify: one group, no divisions per weight row
+    row_group<G>(rows, m0, f);
+    return;
+  }
+  const int64_t groups = (rows + G - 1) / G;
   int64_t r = m0;
-  for (; r + 4 <= m1; r += 4) f(std::integral_constant<int, 4>{}, r);
-  switch (m1 - r) {
-    case 3: f(std::integral_constant<int, 3>{}, r); break;
-    case 2: f(std::integral_constant<int, 2>{}, r); break;
-    case 1: f(std::integral_constant<int, 1>{}, r); break;
-    default: break;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t R = rows / groups + (g < rows % groups ? 1 : 0);
+    row_group<G>(R, r, f);
+    r += R;
   }
 }
 
@@ -511,9 +633,9 @@ void for_each_output(int64_t M, int64_t N, F&& f, int64_t n0 = 0) {
       const int64_t m1 = std::min(M, m0 + kRowBlock);
       int64_t n = nb;
       for (; pair && n + kWeightRows <= ne; n += kWeightRows)
-        for_row_groups(m0, m1, [&](auto R, int64_t r) { f(R, std::integral_constant<int, kWeightRows>{}, n, r); });
+        for_row_groups<4>(m0, m1, [&](auto R, int64_t r) { f(R, std::integral_constant<int, kWeightRows>{}, n, r); });
       for (; n < ne; ++n)
-        for_row_groups(m0, m1, [&](auto R, int64_t r) { f(R, std::integral_constant<int, 1>{}, n, r); });
+        for_row_groups<kRowGroup>(m0, m1, [&](auto R, int64_t r) { f(R, std::integral_constant<int, 1>{}, n, r); });
     }
   });
 }
@@ -1103,6 +1225,10 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor qs, torch::Tens
   }
 #endif
   for_each_output(M, N, [&](auto R, auto NB, int64_t n, int64_t r) {
+#if KERNEL_ZMM
+    if constexpr (decltype(NB)::value == 1 && decltype(R)::value > 1) q8_rows_zmm<decltype(R)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
+    else
+#endif
     q8_rows<decltype(R)::value, decltype(NB)::value>(n, r, K, S, xp, dxp, qp, scp, dp, bp, op, ldo);
   }, n0);
 }
