@@ -199,6 +199,9 @@ inline __m512 join(__m256 lo, __m256 hi) {
 }
 inline __m256 upper(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
+// The two 256-bit halves of v added lane by lane (exact int32 sums): one row's sums.
+inline __m256i add_halves(__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); }
+
 // [u.lo + u.hi | v.lo + v.hi]: the 256-bit halves of two vectors added lane by lane (exact int32
 // sums), two rows' results in one vector for three instructions.
 inline __m512i pair_halves(__m512i u, __m512i v) {
@@ -256,8 +259,7 @@ __attribute__((always_inline)) inline void q4_super512(__m512* fpair, const uint
   for (int b = 0; b < NB; ++b) {
     const __m256 scf8 = _mm256_cvtepi32_ps(scv[b]);
     if constexpr (R == 1) {   // one row (decode): an extract and an add, the row in both halves
-      const __m512i v = acc[b];
-      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1))), scf8);
+      const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(add_halves(acc[b])), scf8);
       fpair[b] = join(f, f);
       continue;
     }
@@ -429,8 +431,7 @@ __attribute__((always_inline)) inline __m256i q8_super_signed512(const int8_t* w
                                                                  __m256i se, __m256i so) {
   __m512i ea[1], oa[1];
   q8_dots512<1>(ea, oa, wq, xs, K);
-  auto halves = [](__m512i v) { return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)); };
-  return _mm256_add_epi32(_mm256_mullo_epi32(halves(ea[0]), se), _mm256_mullo_epi32(halves(oa[0]), so));
+  return _mm256_add_epi32(_mm256_mullo_epi32(add_halves(ea[0]), se), _mm256_mullo_epi32(add_halves(oa[0]), so));
 }
 
 #endif
@@ -487,13 +488,21 @@ __attribute__((always_inline)) inline void q8_super(__m256i* isum, int64_t W, co
   }
 }
 
+// Superblock k0's int8 sub-block scales of weight row n as int32 lanes: even sub-blocks (se), odd (so).
+__attribute__((always_inline)) inline void q8_scales(__m256i& se, __m256i& so, const int8_t* sc, int64_t n, int64_t K,
+                                                     int64_t k0, int64_t nsub) {
+  const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m128i sv = _mm256_castsi256_si128(load32(sc + n * (K / 16) + k0 / 16, 2 * nsub));
+  se = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
+  so = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
+}
+
 // One int8 output block: activation rows r0..r0+R-1 against weight rows n..n+NB-1.
 template <int R, int NB>
 inline void q8_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* xq, const float* dx,
                     const int8_t* qs, const int8_t* sc, const float* d, const float* bias, float* out,
                     int64_t ldo) {
-  const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   __m256 acc[NB * R];
   for (int i = 0; i < NB * R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
@@ -502,9 +511,7 @@ inline void q8_rows(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_t* x
     const int8_t* wq[NB];
     __m256i se[NB], so[NB];
     for (int b = 0; b < NB; ++b) {
-      const __m128i sv = _mm256_castsi256_si128(load32(sc + (n + b) * (K / 16) + k0 / 16, 2 * nsub));
-      se[b] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
-      so[b] = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
+      q8_scales(se[b], so[b], sc, n + b, K, k0, nsub);
       wq[b] = qs + (n + b) * K + k0;
       prefetch_ahead(wq[b], 4);   // a superblock's 256 bytes
     }
@@ -552,17 +559,14 @@ inline void q8_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_
                         const int8_t* qs, const int8_t* sc, const float* d, const float* bias, float* out,
                         int64_t ldo) {
   constexpr int P = (R + 1) / 2;
-  const __m128i even = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m128i odd = _mm_setr_epi8(1, 3, 5, 7, 9, 11, 13, 15, -1, -1, -1, -1, -1, -1, -1, -1);
   auto join_i = [](__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); };
   __m512 acc[P];
   for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     const int64_t k0 = s * kSuper;
     const int64_t nsub = std::min(kSuper, K - k0) / 32;
-    const __m128i sv = _mm256_castsi256_si128(load32(sc + n * (K / 16) + k0 / 16, 2 * nsub));
-    const __m256i se = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, even));
-    const __m256i so = _mm256_cvtepi8_epi32(_mm_shuffle_epi8(sv, odd));
+    __m256i se, so;
+    q8_scales(se, so, sc, n, K, k0, nsub);
     const int8_t* wq = qs + n * K + k0;
     prefetch_ahead(wq, 4);   // a superblock's 256 bytes
     const int8_t* xs = xq + r0 * K + k0;
