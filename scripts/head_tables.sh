@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The draft-head tables of BENCHMARKS.md on one precomputed folder of the served int4 1.5B target:
 # data scaling (eagle3, 3 unrolled steps, at 50k / 150k / 500k training tokens, 4 epochs each, so
-# the same steps per token) and the seed's eagle / normed experiment at the largest size; then the
-# engine's chain and tree acceptance of every head (eval-head, held-out prompts).
+# the same steps per token) and the seed's eagle / normed experiment at the largest size; each head's
+# engine chain and tree acceptance (eval-head, held-out prompts) follows its training.
 #
 #   bash scripts/head_tables.sh            # rerun until it prints "all done": every piece resumes
 #
@@ -58,19 +58,19 @@ if ! python -c "import json, sys; sys.exit(not json.load(open(sys.argv[1])).get(
   echo "$DATA is not complete: rerun its precompute first (its prefixes are those of the whole folder)" >&2
   exit 1
 fi
-heads=()
+evaluate_both() {   # the chain k = 4, then the bench's tree (depth 4, top-k 4, 12 nodes)
+  evaluate "$1" eval --num-speculative-tokens 4
+  evaluate "$1" eval-tree --method eagle --num-speculative-tokens 4 --eagle-topk 4 --num-draft-tokens 12
+}
+# each head is evaluated as soon as it is trained, so that an interrupted run leaves whole rows
 for n in 50000 150000 500000; do
-  heads+=("$RUNS/int4-eagle3-$n")
   train "$RUNS/int4-eagle3-$n" --variant eagle3 --unroll-steps 3 --max-train-tokens $n \
       --num-steps $((n * EPOCHS / TOKENS_PER_STEP))
+  evaluate_both "$RUNS/int4-eagle3-$n"
 done
 for v in normed eagle; do
-  heads+=("$RUNS/int4-$v-500000")
   train "$RUNS/int4-$v-500000" --variant $v --max-train-tokens 500000 \
       --num-steps $((500000 * EPOCHS / TOKENS_PER_STEP))
-done
-for h in "${heads[@]}"; do   # the chain k = 4, then the bench's tree (depth 4, top-k 4, 12 nodes)
-  evaluate "$h" eval --num-speculative-tokens 4
-  evaluate "$h" eval-tree --method eagle --num-speculative-tokens 4 --eagle-topk 4 --num-draft-tokens 12
+  evaluate_both "$RUNS/int4-$v-500000"
 done
 echo "all done: commit $RESULTS"
