@@ -2,10 +2,10 @@
 writing a benchmark's figures (JSON) and plot."""
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 from typing import Callable
+
+from specserve.results import write_json
 
 
 def load_pyplot(path: str):
@@ -28,6 +28,5 @@ def write_results(result: dict, json_path: str | None, plot_path: str | None,
         note = write_plot(result, plot_path)
         print(note or f"{what} written to {plot_path}", file=sys.stderr)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1))
+        write_json(json_path, result)
         print(f"figures written to {json_path}", file=sys.stderr)

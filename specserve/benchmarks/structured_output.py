@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from specserve.benchmarks.bench import machine_info
 from specserve.config import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_QUANTIZATION
 from specserve.entrypoints.llm import LLM
+from specserve.results import write_json
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 from specserve.training.corpus import spec_bench_eval_questions
 
@@ -145,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mask {base['mask_ms']:.2f} ms; speculation's speedup {report['speedup']:.2f}x with the schema, "
           f"{report['unconstrained_speedup']:.2f}x without; outputs equal: {report['outputs_equal']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return 0 if report["outputs_equal"] else 1
 
 

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from specserve.benchmarks.host_overhead import next_step_is_decode
 from specserve.entrypoints.llm import LLM
+from specserve.results import write_json
 from specserve.sampling_params import SamplingParams
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -138,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               "max_tokens": args.max_tokens, "machine": f"{platform.processor() or platform.machine()}, {cores} cores",
               "torch": torch.__version__, "results": results}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     if args.plot:
         plot([report], args.plot)
     return 0

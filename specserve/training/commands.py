@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from specserve.config import DEFAULT_MODEL, DTYPES
 from specserve.entrypoints.args import engine_args
 from specserve.models.draft_head import HEAD_VARIANTS
 from specserve.models.quantization import QUANTIZATIONS
+from specserve.results import write_json
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
 from specserve.training.evaluate import HEAD_METHODS
 from specserve.training.trainer import TrainConfig
@@ -254,7 +254,7 @@ def run_train_head(args: argparse.Namespace) -> int:
         result = _eval(args.target, str(out), args.eval_prompts, args.num_speculative_tokens, args.eval_max_tokens,
                        args.dtype, args.quantization)
         summary["engine_eval"] = result
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(out / "train_summary.json", summary)
     return 0
 
 
@@ -360,5 +360,5 @@ def run_eval_head(args: argparse.Namespace) -> int:
         print(f"validation ({val.num_tokens} tokens): loss {v['loss']:.4f}, top-1 {v['top1']:.3f}, "
               f"chain top-1 {[round(x, 3) for x in v['chain_top1']]}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0

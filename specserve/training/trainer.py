@@ -53,6 +53,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from specserve.models.draft_head import DraftHead, DraftHeadConfig
+from specserve.results import write_json
 from specserve.training.dataset import Batch, HiddenStateDataset, frequent_token_vocab
 
 
@@ -470,7 +471,7 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     if rank == 0:
         log_file.close()
         head.save(out, dtype=getattr(torch, cfg.save_dtype))
-        (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        write_json(out / "train_summary.json", summary)
         (out / CHECKPOINT_NAME).unlink(missing_ok=True)
     if world > 1:
         dist.barrier()
