@@ -5,7 +5,11 @@ import argparse
 import sys
 import time
 
-from specserve.entrypoints.args import add_engine_args, engine_args
+from specserve.huge_pages import use_huge_pages
+
+use_huge_pages()   # before the import below brings in torch, which reads it once
+
+from specserve.entrypoints.args import add_engine_args, engine_args  # noqa: E402
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from specserve.config import DEFAULT_MODEL, DTYPES
 from specserve.entrypoints.args import engine_args
-from specserve.malloc import keep_freed_memory
 from specserve.models.draft_head import HEAD_VARIANTS
 from specserve.models.quantization import QUANTIZATIONS
 from specserve.results import write_json
@@ -189,7 +188,6 @@ def run_train_head(args: argparse.Namespace) -> int:
     from specserve.training.plot import write_training_plot
     from specserve.training.trainer import train_head
 
-    keep_freed_memory()   # the steps' large tensors reused, not faulted in anew (1.7x a step, specserve/malloc.py)
     corpora = [c.strip() for c in args.corpus.split(",") if c.strip()]
     bad = [c for c in corpora if c not in CORPORA]
     if bad or not corpora:
