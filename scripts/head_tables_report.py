@@ -22,6 +22,8 @@ def load(results: Path) -> list[dict]:
     for summary in sorted(results.glob("*-train_summary.json")):
         name = summary.name[:-len("-train_summary.json")]
         m = re.fullmatch(r"int4-(\w+)-(\d+)", name)
+        if m is None:   # not one of head_tables.sh's heads
+            continue
         row = {"name": name, "variant": m.group(1), "budget": int(m.group(2)), "summary": json.loads(summary.read_text())}
         for kind in ("eval", "eval-tree"):
             f = results / f"{name}-{kind}.json"
@@ -47,9 +49,11 @@ def table(heads: list[dict]) -> str:
         s, chain, tree = h["summary"], h["eval"], h["eval-tree"]
         same = "-" if chain is None or tree is None else (
             "yes" if chain["output_token_ids"] == tree["output_token_ids"] else "**no**")
-        va = s["val_after"]
+        va = s.get("val_after")   # absent while a run is unfinished
+        loss = "-" if va is None else f"{va['loss']:.3f}"
+        top1 = "-" if va is None else " / ".join(f"{x:.3f}" for x in va["chain_top1"])
         lines.append(f"| {h['variant']} | {s['train_tokens']:,} | {s['train_config']['num_steps']} | {s['seconds']:,.0f} "
-                     f"| {va['loss']:.3f} | {' / '.join(f'{x:.3f}' for x in va['chain_top1'])} | {_al(chain)} "
+                     f"| {loss} | {top1} | {_al(chain)} "
                      f"| {_chain(chain)} | {_al(tree)} | {_chain(tree)} | {same} |")
     return "\n".join(lines)
 

@@ -1,16 +1,20 @@
 """Transparent huge pages for PyTorch's large CPU tensors, asked for before torch starts.
 
-Every tensor a step allocates and frees above glibc's mmap threshold (at most 32 MiB) is mapped
-anew and faulted in page by page: head training allocates such tensors every step (logits of
-4 x 512 tokens by the draft vocabulary, 134 MB in float32, and their gradients). With 4 KiB pages
-that cost the EAGLE-3 head of the int4 1.5B target ~275,000 faults a second and a third of its CPU
-time in the kernel. PyTorch's CPU allocator can align tensors of 2 MiB and more to 2 MiB and
-``madvise(MADV_HUGEPAGE)`` them (``THP_MEM_ALLOC_ENABLE``), 512 times fewer faults: measured
-(BENCHMARKS.md, "Head training: huge pages") 7.9 -> 5.5 s a step, same losses bit for bit, same
-peak memory; engine decoding unchanged within the machine's noise.
+``specserve train-head`` serves every allocation of 64 KiB or more with its own mapping, unmapped
+when freed (``training.trainer.return_freed_memory_to_the_os``: without it a long run's heap only
+grew). A step's large tensors (logits of 4 x 512 tokens by the draft vocabulary, 134 MB in float32,
+and their gradients) are then mapped anew every step and faulted in page by page: with 4 KiB pages
+that cost the EAGLE-3 head of the int4 1.5B target a third of its CPU time in the kernel. PyTorch's
+CPU allocator can align tensors of 2 MiB and more to 2 MiB and ``madvise(MADV_HUGEPAGE)`` them
+(``THP_MEM_ALLOC_ENABLE``), one fault per 2 MiB instead of 512. Measured (BENCHMARKS.md, piece 10,
+a kernel with transparent huge pages in ``madvise`` mode): 43.5 M -> 8.8 M faults and 7.88 -> 5.54 s
+a step, the same losses bit for bit, the same peak memory; engine decoding moved less than that
+machine's run-to-run spread. Where the kernel's mode is ``always`` the allocations get huge pages
+anyway, and under ``never`` nothing changes.
 
 PyTorch reads the variable once, at its first allocation, which ``import torch`` makes: hence a
-separate module the command line imports before anything imports torch.
+separate module the command line imports before anything imports torch (``python -m
+specserve.benchmarks.<name>`` and library users do not go through it).
 """
 from __future__ import annotations
 

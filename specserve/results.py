@@ -7,20 +7,29 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 
 def home_relative(obj: Any) -> Any:
-    """``obj`` with every string that starts with the home directory rewritten to start with ``~``
-    (dicts, lists and tuples walked recursively; other values returned as they are)."""
+    """``obj`` with the home directory written as ``~`` wherever a path starts with it: a string
+    that is such a path, or one that holds it after a space, ``=``, ``:`` or a quote (a recorded
+    command line). Dicts, lists and tuples are walked recursively; other values returned as they are."""
     home = os.path.expanduser("~").rstrip("/")
+    if not home:
+        return obj
+    pattern = re.compile(r"(^|(?<=[\s=:'\"]))" + re.escape(home) + r"(?=/|$|[\s'\"])")
+    return _rewrite(obj, pattern)
+
+
+def _rewrite(obj: Any, pattern: re.Pattern) -> Any:
     if isinstance(obj, str):
-        return "~" + obj[len(home):] if home and (obj == home or obj.startswith(home + "/")) else obj
+        return pattern.sub("~", obj)
     if isinstance(obj, dict):
-        return {k: home_relative(v) for k, v in obj.items()}
+        return {k: _rewrite(v, pattern) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [home_relative(v) for v in obj]
+        return [_rewrite(v, pattern) for v in obj]
     return obj
 
 

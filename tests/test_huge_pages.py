@@ -58,3 +58,9 @@ def test_use_huge_pages_keeps_the_users_choice_and_is_too_late_after_torch():
     assert _run(ask, None) == ["True", "1"]
     assert _run(ask, "0") == ["False", "0"]
     assert _run("import torch\n" + ask, None) == ["False", "None"]
+
+
+def test_the_command_line_asks_before_torch_loads():
+    code = ("import sys\nimport specserve.huge_pages\nassert 'torch' not in sys.modules\n"
+            "import os, specserve.entrypoints.cli\nassert 'torch' in sys.modules\nprint(os.environ['THP_MEM_ALLOC_ENABLE'])")
+    assert _run(code, None) == ["1"]

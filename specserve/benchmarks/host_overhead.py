@@ -13,7 +13,6 @@ a prefill are left out. Figures are medians over decode steps, in milliseconds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from contextlib import contextmanager
 from specserve.entrypoints.llm import LLM
 from specserve.models.draft_head import DraftHead
 from specserve.models.llama import LlamaForCausalLM
+from specserve.results import write_json
 from specserve.sampling_params import SamplingParams
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{name:12s} bs={bs:2d}  step {row['step_ms']:7.2f} ms  host {row['host_ms']:6.2f} ms", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "max_tokens": args.max_tokens, "rows": rows}, f, indent=1)
+        write_json(args.json, {"model": args.model, "max_tokens": args.max_tokens, "rows": rows})
     return 0
 
 

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from specserve.benchmarks.bench import machine_info
 from specserve.config import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_QUANTIZATION
 from specserve.entrypoints.llm import LLM
+from specserve.results import write_json
 from specserve.sampling_params import SamplingParams
 from specserve.training.corpus import spec_bench_eval_questions
 
@@ -117,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{res['repeat_ttft_s']:.3f} s, cached tokens {[r['cached_tokens'] for r in res['requests']]}")
     print(f"repeated-prefix TTFT {report['repeat_ttft_speedup']:.1f}x faster; outputs equal: {report['outputs_equal']}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)
     return 0 if report["outputs_equal"] else 1
