@@ -12,9 +12,11 @@ a step, the same losses bit for bit, the same peak memory; engine decoding moved
 machine's run-to-run spread. Where the kernel's mode is ``always`` the allocations get huge pages
 anyway, and under ``never`` nothing changes.
 
-PyTorch reads the variable once, at its first allocation, which ``import torch`` makes: hence a
-separate module the command line imports before anything imports torch (``python -m
-specserve.benchmarks.<name>`` and library users do not go through it).
+PyTorch reads the variable once, at its first CPU allocation of 2 MiB or more (checked: set after
+such an allocation it changes nothing; set after ``import torch`` alone it still works). Whether
+that allocation has happened cannot be seen from outside, so the variable is set only before torch
+is imported: the command line does it first thing (``python -m specserve.benchmarks.<name>`` and
+library users do not go through it).
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ ENV = "THP_MEM_ALLOC_ENABLE"
 
 def use_huge_pages() -> bool:
     """Ask for huge pages for PyTorch's CPU tensors of 2 MiB and more, unless the user set
-    ``THP_MEM_ALLOC_ENABLE`` (kept as given) or torch is already imported (too late: changes nothing).
+    ``THP_MEM_ALLOC_ENABLE`` (kept as given) or torch is already imported (it may have read the
+    variable already: changes nothing).
 
     Returns whether the variable is now on for torch's allocator. Where the kernel's transparent
     huge pages are ``never``, madvise is a no-op and nothing changes but the 2 MiB alignment.

@@ -1,4 +1,4 @@
-"""use_huge_pages: PyTorch's large CPU tensors come with 512x fewer page faults (counted by the
+"""use_huge_pages: PyTorch's large CPU tensors come with far fewer page faults (counted by the
 kernel: getrusage's minor faults), in a fresh process each time since torch reads it once."""
 import os
 import subprocess
@@ -26,9 +26,17 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (8 * numel
 """
 
 
+def _run(code: str, env_value: str | None, *args: str) -> list[str]:
+    """stdout's words of ``python -c code args...`` with ``THP_MEM_ALLOC_ENABLE`` unset or set."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if env_value is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = env_value
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True,
+                          env=env).stdout.split()
+
+
 def _faults_per_page(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[-1])
+    return float(_run(CHILD, None, mode)[-1])
 
 
 def _thp_mode() -> str:
@@ -46,14 +54,7 @@ def test_huge_pages_cut_faults_of_large_tensors():
     assert on < off / 10      # 2 MiB pages: ideally 1/512 of that (measured ~1/30), while the kernel has huge pages free
 
 
-def _run(code: str, env_value: str | None) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
-    if env_value is not None:
-        env["THP_MEM_ALLOC_ENABLE"] = env_value
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout.split()
-
-
-def test_use_huge_pages_keeps_the_users_choice_and_is_too_late_after_torch():
+def test_use_huge_pages_keeps_the_users_choice_and_does_nothing_once_torch_is_imported():
     ask = "import os\nfrom specserve.huge_pages import use_huge_pages\nprint(use_huge_pages(), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
     assert _run(ask, None) == ["True", "1"]
     assert _run(ask, "0") == ["False", "0"]

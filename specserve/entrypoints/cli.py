@@ -7,7 +7,7 @@ import time
 
 from specserve.huge_pages import use_huge_pages
 
-use_huge_pages()   # on purpose at import, before the import below brings in torch, which reads it once
+use_huge_pages()   # on purpose at import, before the import below brings in torch (it reads the variable once)
 
 from specserve.entrypoints.args import add_engine_args, engine_args  # noqa: E402
 
