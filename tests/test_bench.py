@@ -97,8 +97,24 @@ def test_bench_methods_side_by_side(tiny_qwen2_dir, trained_tiny_head, tmp_path,
     by = {r["method"]: r for r in res["methods"]}
     assert by["draft_model"]["spec_decode"]["acceptance_rate"] == 1.0
     assert by["eagle-static"]["speculative_config"]["speculative_token_tree"] == "[[0], [1], [0, 0]]"
+    assert not any(r["speculative_config"]["adaptive"] for r in res["methods"][1:])   # k fixed by default
     assert (tmp_path / "methods.png").stat().st_size > 0
     assert "| eagle-dynamic |" in capsys.readouterr().out
+
+
+def test_bench_methods_adaptive(tiny_qwen2_dir, tmp_path, capsys):
+    """--adaptive runs each method as generate does (the controller picks k per step): greedy
+    outputs still equal none's, and the config and table say so."""
+    out = tmp_path / "methods.json"
+    rc = main(["bench", "--model", tiny_qwen2_dir, "--methods", "none,ngram,draft_model", "--adaptive",
+               "--speculative-model", tiny_qwen2_dir, "--num-speculative-tokens", "3",
+               "--num-prompts", "2", "--max-tokens", "8", "--skip-hf", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    for r in res["methods"][1:]:
+        assert r["speculative_config"]["adaptive"] is True and r["speculative_config"]["num_speculative_tokens"] == 3
+        assert r["agreement_with_none"]["identical_prompts"] == 2, r["method"]
+    assert "| draft_model | k = 3, adaptive (at most) |" in capsys.readouterr().out
 
 
 def test_bench_methods_bad_input(tiny_qwen2_dir, capsys):
@@ -106,6 +122,8 @@ def test_bench_methods_bad_input(tiny_qwen2_dir, capsys):
     assert "medusa" in capsys.readouterr().err
     assert main(["bench", "--model", tiny_qwen2_dir, "--methods", "none,mtp", "--skip-hf"]) == 2   # no head
     assert "--head" in capsys.readouterr().err
+    assert main(["bench", "--model", tiny_qwen2_dir, "--adaptive", "--skip-hf"]) == 2   # no --methods
+    assert "--adaptive applies to --methods only" in capsys.readouterr().err
 
 
 def test_quality_teacher_forcing_matches_transformers(tiny_bench_model):

@@ -71,6 +71,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--specbench-prompts", type=int, default=0,
                    help="--methods: Spec-Bench first turns added to the HumanEval prompts, from the 48 held out of head "
                         "training (default: %(default)s)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="--methods: choose k per step (0 = off) up to --num-speculative-tokens, as generate and "
+                        "serve do by default (adaptive speculation); default: k fixed, each method itself")
     p.add_argument("--tree-depth", type=int, default=4,
                    help="--methods eagle-dynamic: levels of the dynamic tree (default: %(default)s)")
     p.add_argument("--json", metavar="PATH", default=None, help="write every figure to this JSON file")
@@ -85,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
                  "quality_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if getattr(args, "adaptive", False) and not args.methods:
+        raise ValueError("--adaptive applies to --methods only (the k sweep of --spec-ks measures fixed k)")
 
 
 # ----------------------------------------------------------------------------------------- data

@@ -5,7 +5,10 @@ For each method in ``--methods`` (``none``, ``ngram``, ``draft_model``, ``mtp``,
 ``--num-prompts`` HumanEval prompts, which the shipped head never trained on, and
 ``--specbench-prompts`` Spec-Bench first turns spread over its categories, through the chat
 template), ``--max-tokens`` tokens each with EOS ignored, ``--batch-size`` at a time, and freed
-before the next. k is fixed (adaptive speculation off) so the table shows each method itself.
+before the next. k is fixed (adaptive speculation off) so the table shows each method itself;
+with ``--adaptive`` each speculative method runs as ``generate`` and ``serve`` run it by default,
+k chosen per step (0 = off) up to ``--num-speculative-tokens`` (:mod:`specserve.spec_decode.adaptive`),
+so the table shows what a user of that method gets on this machine.
 Reported per method: mean acceptance length (tokens per verify step, bonus included), decode
 tokens/s (median over prompts), end-to-end tokens/s (aggregate), both as speedups over ``none`` in
 the same run, and whether every greedy output equals ``none``'s.
@@ -34,16 +37,23 @@ def parse_methods(text: str) -> list[str]:
 
 def method_config(method: str, args: argparse.Namespace) -> dict | None:
     """The ``speculative_config`` of one method row (None for ``none``)."""
+    cfg = _method_config(method, args)
+    if cfg is not None:
+        cfg["adaptive"] = bool(getattr(args, "adaptive", False))
+    return cfg
+
+
+def _method_config(method: str, args: argparse.Namespace) -> dict | None:
     from specserve.config import DEFAULT_DRAFT
 
     k = args.num_speculative_tokens
     if method == "none":
         return None
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}
+        return {"method": "ngram", "num_speculative_tokens": k}
     if method == "draft_model":
         return {"method": "draft_model", "model": args.speculative_model or DEFAULT_DRAFT,
-                "num_speculative_tokens": k, "adaptive": False, "draft_quantization": args.draft_quantization}
+                "num_speculative_tokens": k, "draft_quantization": args.draft_quantization}
     from specserve.models.registry import shipped_head_for
 
     head = args.head or shipped_head_for(args.model)
@@ -51,11 +61,11 @@ def method_config(method: str, args: argparse.Namespace) -> dict | None:
         raise ValueError(f"--methods {method} needs a draft head for {args.model!r}: pass --head")
     dq = args.draft_quantization   # a head's linears too (None: the target's layout, as served)
     if method == "mtp":
-        return {"method": "mtp", "model": head, "num_speculative_tokens": k, "adaptive": False, "draft_quantization": dq}
+        return {"method": "mtp", "model": head, "num_speculative_tokens": k, "draft_quantization": dq}
     if method == "eagle-static":
-        return {"method": "eagle", "model": head, "adaptive": False, "draft_quantization": dq,
+        return {"method": "eagle", "model": head, "draft_quantization": dq,
                 "speculative_token_tree": args.speculative_token_tree or "eagle1"}
-    return {"method": "eagle", "model": head, "adaptive": False, "num_speculative_tokens": args.tree_depth,
+    return {"method": "eagle", "model": head, "num_speculative_tokens": args.tree_depth,
             "eagle_topk": args.eagle_topk, "num_draft_tokens": args.num_draft_tokens, "draft_quantization": dq}
 
 
@@ -122,12 +132,17 @@ def run_methods_bench(args: argparse.Namespace) -> int:
 
 def _describe(r: dict) -> str:
     cfg = r["speculative_config"] or {}
+    if not cfg:
+        return "-"
     if r["method"] == "eagle-static":
         tree = cfg.get("speculative_token_tree")
-        return f"tree {tree}" if isinstance(tree, str) else f"tree of {len(tree)} nodes"
-    if r["method"] == "eagle-dynamic":
-        return f"depth {cfg['num_speculative_tokens']}, top-k {cfg['eagle_topk']}, {cfg['num_draft_tokens']} nodes"
-    return f"k = {cfg['num_speculative_tokens']}" if cfg else "-"
+        drafts = f"tree {tree}" if isinstance(tree, str) else f"tree of {len(tree)} nodes"
+    elif r["method"] == "eagle-dynamic":
+        drafts = f"depth {cfg['num_speculative_tokens']}, top-k {cfg['eagle_topk']}, {cfg['num_draft_tokens']} nodes"
+    else:
+        drafts = f"k = {cfg['num_speculative_tokens']}"
+    # adaptive: the controller picks each step's k (0 = off) up to the configured one
+    return f"{drafts}, adaptive (at most)" if cfg.get("adaptive") else drafts
 
 
 def render_methods_markdown(result: dict) -> str:
