@@ -97,7 +97,7 @@ def test_bench_methods_side_by_side(tiny_qwen2_dir, trained_tiny_head, tmp_path,
     by = {r["method"]: r for r in res["methods"]}
     assert by["draft_model"]["spec_decode"]["acceptance_rate"] == 1.0
     assert by["eagle-static"]["speculative_config"]["speculative_token_tree"] == "[[0], [1], [0, 0]]"
-    assert not any(r["speculative_config"]["adaptive"] for r in res["methods"][1:])   # k fixed by default
+    assert all(r["adaptive_steps_per_k"] is None for r in res["methods"])   # k fixed by default: no controller
     assert (tmp_path / "methods.png").stat().st_size > 0
     assert "| eagle-dynamic |" in capsys.readouterr().out
 
@@ -114,6 +114,9 @@ def test_bench_methods_adaptive(tiny_qwen2_dir, tmp_path, capsys):
     for r in res["methods"][1:]:
         assert r["speculative_config"]["adaptive"] is True and r["speculative_config"]["num_speculative_tokens"] == 3
         assert r["agreement_with_none"]["identical_prompts"] == 2, r["method"]
+        steps = r["adaptive_steps_per_k"]   # the engine's controller chose every decode step's k
+        assert steps is not None and len(steps) == 4 and sum(steps) > 0, (r["method"], steps)
+    assert res["methods"][0]["adaptive_steps_per_k"] is None
     assert "| draft_model | k = 3, adaptive (at most) |" in capsys.readouterr().out
 
 

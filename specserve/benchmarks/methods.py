@@ -11,7 +11,8 @@ k chosen per step (0 = off) up to ``--num-speculative-tokens`` (:mod:`specserve.
 so the table shows what a user of that method gets on this machine.
 Reported per method: mean acceptance length (tokens per verify step, bonus included), decode
 tokens/s (median over prompts), end-to-end tokens/s (aggregate), both as speedups over ``none`` in
-the same run, and whether every greedy output equals ``none``'s.
+the same run, whether every greedy output equals ``none``'s, and with ``--adaptive`` the decode
+steps the controller ran at each k (``adaptive_steps_per_k``).
 """
 from __future__ import annotations
 
@@ -113,6 +114,9 @@ def run_methods_bench(args: argparse.Namespace) -> int:
         r = bench_specserve(engine, [ids for _, ids in prompts], args.max_tokens, args.batch_size)
         r["method"], r["speculative_config"] = method, configs[method]
         r["spec_decode"] = engine.spec_stats.as_dict() if engine.proposer is not None else None
+        # --adaptive: decode steps the controller ran with each k = 0..max (the warm-up's included)
+        ctrl = engine.spec_controller
+        r["adaptive_steps_per_k"] = list(ctrl.chosen_counts) if ctrl is not None else None
         r["load_average"] = load_average()
         if baseline is None and method == "none":
             baseline = r
