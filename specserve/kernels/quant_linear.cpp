@@ -148,10 +148,18 @@ constexpr int kWeightRows = 2;
 constexpr int kWeightRows = 1;
 #endif
 constexpr int64_t kPairMinRows = 16;
-// Activation rows per group of one weight row: 512-bit builds' 32 registers hold the sums of 6
-// (a speculative verify of k + 1 <= 6 rows unpacks each weight once); AVX2's 16 hold 4. Two
-// weight rows take groups of 4.
-constexpr int kRowGroup = KERNEL_ZMM ? 6 : 4;
+// Activation rows per group of one weight row (a speculative verify of k + 1 rows unpacks each
+// weight once when they fit one group). AVX-512 builds have 32 vector registers: 512-bit ones hold
+// the sums of 6 rows, 256-bit ones (VNNI on Zen 4) of 8; 5-8 rows in one group there cost
+// 0.75-0.9x the time of two groups (BENCHMARKS.md, "Verify rows on Zen 4"). AVX2's 16 registers
+// hold 4. Two weight rows take groups of 4.
+#if KERNEL_ZMM
+constexpr int kRowGroup = 6;
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int kRowGroup = 8;
+#else
+constexpr int kRowGroup = 4;
+#endif
 
 __attribute__((always_inline)) inline __m256 lanes_f32(const float* p, int64_t n) {
   if (n == 8) return _mm256_loadu_ps(p);
@@ -593,12 +601,14 @@ inline void q8_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_
 #endif
 
 // Rows m0..m1-1 in groups of at most G, as even as possible (G = 6: 5 rows in one group, 7 as
-// 4 + 3, 13 as 5 + 4 + 4): every group pays the weights' unpacking once, so a lone last row costs
+// 4 + 3, 13 as 5 + 4 + 4; G = 8: 13 as 7 + 6): every group pays the weights' unpacking once, so a lone last row costs
 // nearly as much as a full group. Every row gets the same arithmetic whatever its group (R).
 template <int G, typename F>
 __attribute__((always_inline)) inline void row_group(int64_t R, int64_t r, F&& f) {
-  static_assert(G >= 1 && G <= 6, "row groups are instantiated for R = 1..6");
+  static_assert(G >= 1 && G <= 8, "row groups are instantiated for R = 1..8");
   switch (R) {
+    case 8: if constexpr (G >= 8) f(std::integral_constant<int, 8>{}, r); break;
+    case 7: if constexpr (G >= 7) f(std::integral_constant<int, 7>{}, r); break;
     case 6: if constexpr (G >= 6) f(std::integral_constant<int, 6>{}, r); break;
     case 5: if constexpr (G >= 5) f(std::integral_constant<int, 5>{}, r); break;
     case 4: if constexpr (G >= 4) f(std::integral_constant<int, 4>{}, r); break;
