@@ -267,6 +267,76 @@ def test_bad_configs_name_the_value():
         head.attach_target(torch.zeros(50, 32), torch.zeros(49, 32))
 
 
+def _target_layer(seed: int = 7) -> dict[str, torch.Tensor]:
+    """Random tensors of one TARGET decoder layer, by Hugging Face name without the layer prefix."""
+    g = torch.Generator().manual_seed(seed)
+    h, q, kv, i = TARGET.hidden_size, TARGET.num_attention_heads * TARGET.head_dim, \
+        TARGET.num_key_value_heads * TARGET.head_dim, TARGET.intermediate_size
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.weight": (kv, h),
+              "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
+              "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+              "mlp.down_proj.weight": (h, i)}
+    layer = {name: torch.randn(*shape, generator=g) * 0.3 for name, shape in shapes.items()}
+    layer["input_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+    layer["post_attention_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+    return layer
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "normed"])
+@pytest.mark.parametrize("width", [48, 40])
+def test_init_from_target_layer_computes_that_layer(variant, width):
+    """Started from a target layer, the head applies that layer to the features it reads (eagle3:
+    the highest fused layer; normed: the normalized hidden state), whatever the token: HF's Qwen2
+    decoder layer with the same tensors is the oracle. A narrower MLP keeps the target's channels of
+    largest |up row| x |down column|: the oracle's other down_proj columns are zeroed."""
+    from transformers import Qwen2Config, Qwen2Model
+
+    torch.manual_seed(0)
+    head = DraftHead(DraftHeadConfig.for_target(TARGET, variant, intermediate_size=width))
+    g = torch.Generator().manual_seed(1)
+    head.attach_target(torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=g),
+                       torch.randn(TARGET.vocab_size, TARGET.hidden_size, generator=g))
+    layer = _target_layer()
+    head.init_from_target_layer(layer)
+    hf = Qwen2Model(Qwen2Config(vocab_size=TARGET.vocab_size, hidden_size=TARGET.hidden_size,
+                                intermediate_size=TARGET.intermediate_size, num_hidden_layers=1,
+                                num_attention_heads=TARGET.num_attention_heads,
+                                num_key_value_heads=TARGET.num_key_value_heads, rms_norm_eps=TARGET.rms_norm_eps,
+                                rope_theta=TARGET.rope_theta,
+                                max_position_embeddings=TARGET.max_position_embeddings)).eval()
+    dropped = (layer["mlp.up_proj.weight"].norm(dim=1) * layer["mlp.down_proj.weight"].norm(dim=0)).argsort()[:48 - width]
+    hf_sd = {"layers.0." + k: v.clone() for k, v in layer.items()}
+    hf_sd["layers.0.mlp.down_proj.weight"][:, dropped] = 0
+    hf_sd["norm.weight"] = torch.ones(TARGET.hidden_size)
+    hf_sd["embed_tokens.weight"] = hf.embed_tokens.weight
+    hf.load_state_dict(hf_sd, strict=True)
+    torch.manual_seed(2)
+    features = torch.randn(1, 7, feature_width(head))
+    pos = torch.arange(3, 10).unsqueeze(0)
+    with torch.no_grad():
+        x = features[..., -TARGET.hidden_size:]
+        if variant == "normed":   # hnorm (weight ones) before the layer
+            x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + TARGET.rms_norm_eps)
+        want = hf(inputs_embeds=x, position_ids=pos).last_hidden_state   # ends with a norm of weight ones
+        for seed in (3, 4):   # the token's embedding does not enter yet
+            ids = torch.randint(0, TARGET.vocab_size, (1, 7), generator=torch.Generator().manual_seed(seed))
+            out = head(features, ids, pos)
+            got = head.norm(out) if variant == "eagle3" else out
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_target_layer_names_what_does_not_fit():
+    head = DraftHead(DraftHeadConfig.for_target(TARGET, "eagle3", intermediate_size=40))
+    layer = _target_layer()
+    with pytest.raises(ValueError, match="self_attn.o_proj.weight"):
+        head.init_from_target_layer({k: v for k, v in layer.items() if k != "self_attn.o_proj.weight"})
+    with pytest.raises(ValueError, match="self_attn.k_proj.weight.*needs"):
+        head.init_from_target_layer({**layer, "self_attn.k_proj.weight": torch.zeros(16, 31)})
+    wide = DraftHead(DraftHeadConfig.for_target(TARGET, "normed", intermediate_size=64))
+    with pytest.raises(ValueError, match="64 channels"):
+        wide.init_from_target_layer(layer)
+
+
 @pytest.mark.parametrize("own_lm_head", [False, True])
 def test_eagle3_logits_and_wide_target_output(own_lm_head):
     """eagle3 scores ``norm(output)`` with its own lm_head (or the target's draft-vocabulary rows),

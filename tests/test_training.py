@@ -388,6 +388,27 @@ def test_interrupted_training_resumes_to_the_same_weights(tiny_qwen2_dir, tiny_d
         train_head(out, tmp_path / "c", *args, cfg, progress=False, stop_at_step=0)
 
 
+def test_train_head_starts_from_the_targets_last_layer(tiny_qwen2_dir, tiny_data, tmp_path):
+    """init_from_target: the head's layer starts as the target's last one (what DraftHead.init_from_target_layer
+    copies, checked against HF in test_draft_head), trains from there, and without the layer is refused."""
+    out, _ = tiny_data
+    loaded = load_model(str(tiny_qwen2_dir))
+    w = loaded.weights
+    args = (loaded.config, w["model.embed_tokens.weight"], w.get("lm_head.weight", w["model.embed_tokens.weight"]))
+    cfg = TrainConfig(variant="normed", num_steps=4, batch_size=4, warmup_steps=1, eval_every=10 ** 6,
+                      val_fraction=0.2, eval_chain=2, init_from_target=True)
+    with pytest.raises(ValueError, match="target_layer"):
+        train_head(out, tmp_path / "a", *args, cfg, progress=False)
+    last = f"model.layers.{loaded.config.num_hidden_layers - 1}."
+    layer = {k[len(last):]: v for k, v in w.items() if k.startswith(last)}
+    summary, head = train_head(out, tmp_path / "b", *args, cfg, progress=False, stop_at_step=1, target_layer=layer)
+    assert not summary["complete"]
+    state = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["head"]
+    # one small step away from the copy: still far closer to it than a random layer is
+    start = layer["mlp.down_proj.weight"].float()
+    assert (state["mlp.down_proj.weight"] - start).norm() < 0.1 * start.norm()
+
+
 DDP_SCRIPT = """
 import json, sys, torch
 import torch.distributed as dist
@@ -573,6 +594,7 @@ def test_train_head_flags_take_each_variants_loss_defaults():
     parse = lambda *a: train_config(build_parser().parse_args(["train-head", *a]))
     c = parse("--variant", "eagle3", "--own-lm-head", "--max-train-tokens", "5000")
     assert (c.hidden_loss_weight, c.ce_weight, c.own_lm_head, c.max_train_tokens) == (0.0, 1.0, True, 5000)
+    assert not c.init_from_target and parse("--init-from-target").init_from_target
     c = parse("--variant", "normed")
     assert (c.hidden_loss_weight, c.ce_weight) == (1.0, 0.1)
     assert parse("--variant", "eagle", "--ce-weight", "0.5").ce_weight == 0.5

@@ -321,6 +321,67 @@ class DraftHead(nn.Module):
         with torch.no_grad():
             self.lm_head.weight.copy_(self.lm_head_weight.to(self.lm_head.weight.dtype))
 
+    def init_from_target_layer(self, layer: dict[str, torch.Tensor]) -> None:
+        """Start the decoder layer from one of the target's (its last, typically) instead of at
+        random, so that training starts from a layer that already maps the target's features to
+        features its lm_head reads. Call before training.
+
+        ``layer``: the target layer's tensors by Hugging Face name without the layer prefix
+        (``self_attn.q_proj.weight``, ``mlp.down_proj.weight``, ``input_layernorm.weight`` ...).
+        Copied: attention (q / k / v weights and biases, o_proj), ``post_attention_layernorm``
+        and the input norm (eagle3: ``hidden_norm``; normed: ``input_layernorm``). eagle3's q / k
+        / v read ``[embedding, hidden]``: the hidden half is the target's, the embedding half
+        starts at zero. An MLP narrower than the target's keeps the target's channels of largest
+        ``|up row| x |down column|``. The input projection starts as a pass-through of the
+        features: eagle3's ``fc`` picks the highest fused layer, ``eh_proj`` the hidden half.
+
+        Raises:
+            ValueError: a tensor is missing or its shape does not fit this head (naming it).
+        """
+        h = self.config.hidden_size
+
+        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in layer:
+                raise ValueError(f"init_from_target_layer: the target layer has no {name!r}")
+            t = layer[name].detach().float()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"init_from_target_layer: {name!r} is {tuple(t.shape)}, this head needs {tuple(shape)}")
+            return t
+
+        attn, eagle3 = self.self_attn, self.variant == "eagle3"
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                lin = getattr(attn, name)
+                w = get(f"self_attn.{name}.weight", (lin.out_features, h))
+                if eagle3:
+                    lin.weight.zero_()
+                    lin.weight[:, h:].copy_(w)
+                else:
+                    lin.weight.copy_(w)
+                if lin.bias is not None:
+                    lin.bias.copy_(get(f"self_attn.{name}.bias", (lin.out_features,)))
+            attn.o_proj.weight.copy_(get("self_attn.o_proj.weight", tuple(attn.o_proj.weight.shape)))
+            self.post_attention_layernorm.weight.copy_(get("post_attention_layernorm.weight", (h,)))
+            if eagle3 or self.normed:
+                norm = self.hidden_norm if eagle3 else self.input_layernorm
+                norm.weight.copy_(get("input_layernorm.weight", (h,)))
+            gate, up, down = (layer.get(f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+            if gate is None or up is None or down is None:
+                raise ValueError("init_from_target_layer: the target layer has no mlp.{gate,up,down}_proj.weight")
+            width = self.config.intermediate_size
+            if gate.shape[0] < width or tuple(gate.shape) != tuple(up.shape) or down.shape[1] != gate.shape[0]:
+                raise ValueError(f"init_from_target_layer: the target's MLP {tuple(gate.shape)} cannot start "
+                                 f"this head's {width} channels")
+            keep = (up.float().norm(dim=1) * down.float().norm(dim=0)).topk(width).indices.sort().values
+            self.mlp.gate_proj.weight.copy_(gate.float()[keep])
+            self.mlp.up_proj.weight.copy_(up.float()[keep])
+            self.mlp.down_proj.weight.copy_(down.float()[:, keep])
+            proj = self.fc if eagle3 else self.eh_proj
+            proj.weight.zero_()
+            proj.weight[:, -h:].copy_(torch.eye(h))
+            if proj.bias is not None:
+                proj.bias.zero_()
+
     def set_draft_vocab(self, draft_to_target: torch.Tensor) -> None:
         """Install the reduced vocabulary: ``draft_to_target [N]`` int64 distinct target ids."""
         n = self.config.draft_vocab_size or self.config.vocab_size

@@ -58,6 +58,9 @@ def add_train_head_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--own-lm-head", action="store_true",
                    help="eagle3: train the head's own lm_head over the draft vocabulary (EAGLE-3's checkpoints "
                         "have one) instead of scoring with the target's frozen rows")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="start the head's decoder layer from the target's last layer (attention, MLP, norms) "
+                        "instead of at random")
     p.add_argument("--corpus", default="stdlib",
                    help=f"comma-separated corpora from {', '.join(CORPORA)} (default: %(default)s)")
     p.add_argument("--max-corpus-tokens", type=int, default=200_000,
@@ -141,7 +144,7 @@ def collect_documents(llm, corpora: list[str], max_corpus_tokens: int, self_dist
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` the flags of :func:`add_train_head_args` describe."""
-    return TrainConfig(variant=args.variant, own_lm_head=args.own_lm_head,
+    return TrainConfig(variant=args.variant, own_lm_head=args.own_lm_head, init_from_target=args.init_from_target,
                        **{name: getattr(args, name) for name, _, _ in TRAIN_FLAGS})
 
 
@@ -234,8 +237,10 @@ def run_train_head(args: argparse.Namespace) -> int:
     device = args.device
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
+    last = f"model.layers.{loaded.config.num_hidden_layers - 1}."
+    target_layer = {k[len(last):]: v for k, v in w.items() if k.startswith(last)} if cfg.init_from_target else None
     summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg, device=device,
-                               stop_at_step=args.stop_at_step)
+                               stop_at_step=args.stop_at_step, target_layer=target_layer)
     del loaded, w, embed, head
     if _end_process_group() > 0:
         return 0   # rank 0 wrote the head; it alone plots and evaluates it

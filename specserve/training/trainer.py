@@ -76,6 +76,7 @@ class TrainConfig:
     unroll_steps: int = 1
     feature_noise: float = 0.0                # U(-a, a) x RMS added to the input features while training
     own_lm_head: bool = False                 # eagle3: train its own lm_head (saved with the head)
+    init_from_target: bool = False            # start the decoder layer from the target's last one
     max_train_tokens: int | None = None       # the first N tokens of the training split (data scaling)
     val_fraction: float = 0.05
     eval_every: int = 250
@@ -335,7 +336,8 @@ def _dist_info() -> tuple[int, int]:
 
 def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_weight: torch.Tensor,
                lm_head_weight: torch.Tensor, cfg: TrainConfig, device: str = "cpu",
-               progress: bool = True, stop_at_step: int | None = None) -> tuple[dict, DraftHead]:
+               progress: bool = True, stop_at_step: int | None = None,
+               target_layer: dict[str, torch.Tensor] | None = None) -> tuple[dict, DraftHead]:
     """Train a head on the hidden states in ``data_dir``; write it to ``out_dir``. Resumes from
     ``out_dir/checkpoint.pt`` when a run with the same settings left one there. Under torchrun
     (``WORLD_SIZE`` > 1) it joins the default process group, creating it when needed; the caller
@@ -345,6 +347,8 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
     Args:
         target_config: the target's :class:`~specserve.config.ModelConfig` (the head's shape).
         embed_weight, lm_head_weight: the target's ``[V, H]`` embedding and lm_head (frozen).
+        target_layer: with ``cfg.init_from_target``, the target's last decoder layer's tensors by
+            name without the layer prefix (:meth:`DraftHead.init_from_target_layer`).
         stop_at_step: stop after this many steps (of ``cfg.num_steps``) with a checkpoint and no
             head written: one piece of a long run; a rerun goes on.
     Returns:
@@ -372,6 +376,10 @@ def train_head(data_dir: str | Path, out_dir: str | Path, target_config, embed_w
                                           aux_hidden_state_layers=tuple(st.get("aux_layers", ())),
                                           own_lm_head=cfg.own_lm_head)
     head = DraftHead(head_cfg)
+    if cfg.init_from_target:
+        if target_layer is None:
+            raise ValueError("init_from_target needs the target's last decoder layer (target_layer)")
+        head.init_from_target_layer(target_layer)
     if cfg.draft_vocab_size is not None:
         head.set_draft_vocab(frequent_token_vocab(train.token_counts(target_config.vocab_size), cfg.draft_vocab_size))
     head.to(device).attach_target(embed_weight.to(device, torch.float32), lm_head_weight.to(device, torch.float32))
