@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specserve.entrypoints.llm import LLM
+from specserve.models.draft_head import target_layer_tensors
 from specserve.models.loader import load_model
 from specserve.training.corpus import is_validation, stdlib_documents
 from specserve.training.dataset import HiddenStateDataset, frequent_token_vocab
@@ -399,8 +400,8 @@ def test_train_head_starts_from_the_targets_last_layer(tiny_qwen2_dir, tiny_data
                       val_fraction=0.2, eval_chain=2, init_from_target=True)
     with pytest.raises(ValueError, match="target_layer"):
         train_head(out, tmp_path / "a", *args, cfg, progress=False)
-    last = f"model.layers.{loaded.config.num_hidden_layers - 1}."
-    layer = {k[len(last):]: v for k, v in w.items() if k.startswith(last)}
+    layer = target_layer_tensors(w, loaded.config.num_hidden_layers - 1)
+    assert set(layer) >= {"self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"}
     summary, head = train_head(out, tmp_path / "b", *args, cfg, progress=False, stop_at_step=1, target_layer=layer)
     assert not summary["complete"]
     state = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["head"]

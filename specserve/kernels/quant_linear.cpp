@@ -151,7 +151,7 @@ constexpr int64_t kPairMinRows = 16;
 // Activation rows per group of one weight row (a speculative verify of k + 1 rows unpacks each
 // weight once when they fit one group). AVX-512 builds have 32 vector registers: 512-bit ones hold
 // the sums of 6 rows, 256-bit ones (VNNI on Zen 4) of 8; 5-8 rows in one group there cost
-// 0.75-0.9x the time of two groups (BENCHMARKS.md, "Verify rows on Zen 4"). AVX2's 16 registers
+// 0.61-0.99x the time of two groups (BENCHMARKS.md, "Verify rows on Zen 4"). AVX2's 16 registers
 // hold 4. Two weight rows take groups of 4.
 #if KERNEL_ZMM
 constexpr int kRowGroup = 6;
@@ -601,8 +601,8 @@ inline void q8_rows_zmm(int64_t n, int64_t r0, int64_t K, int64_t S, const int8_
 #endif
 
 // Rows m0..m1-1 in groups of at most G, as even as possible (G = 6: 5 rows in one group, 7 as
-// 4 + 3, 13 as 5 + 4 + 4; G = 8: 13 as 7 + 6): every group pays the weights' unpacking once, so a lone last row costs
-// nearly as much as a full group. Every row gets the same arithmetic whatever its group (R).
+// 4 + 3, 13 as 5 + 4 + 4; G = 8: 13 as 7 + 6): every group pays the weights' unpacking once, so
+// a lone last row costs nearly as much as a full group. Every row gets the same arithmetic whatever its group (R).
 template <int G, typename F>
 __attribute__((always_inline)) inline void row_group(int64_t R, int64_t r, F&& f) {
   static_assert(G >= 1 && G <= 8, "row groups are instantiated for R = 1..8");

@@ -340,11 +340,11 @@ class DraftHead(nn.Module):
         """
         h = self.config.hidden_size
 
-        def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def get(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
             if name not in layer:
                 raise ValueError(f"init_from_target_layer: the target layer has no {name!r}")
             t = layer[name].detach().float()
-            if tuple(t.shape) != tuple(shape):
+            if shape is not None and tuple(t.shape) != tuple(shape):
                 raise ValueError(f"init_from_target_layer: {name!r} is {tuple(t.shape)}, this head needs {tuple(shape)}")
             return t
 
@@ -365,17 +365,15 @@ class DraftHead(nn.Module):
             if eagle3 or self.normed:
                 norm = self.hidden_norm if eagle3 else self.input_layernorm
                 norm.weight.copy_(get("input_layernorm.weight", (h,)))
-            gate, up, down = (layer.get(f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
-            if gate is None or up is None or down is None:
-                raise ValueError("init_from_target_layer: the target layer has no mlp.{gate,up,down}_proj.weight")
-            width = self.config.intermediate_size
-            if gate.shape[0] < width or tuple(gate.shape) != tuple(up.shape) or down.shape[1] != gate.shape[0]:
+            gate, width = get("mlp.gate_proj.weight"), self.config.intermediate_size
+            if gate.ndim != 2 or gate.shape[1] != h or gate.shape[0] < width:
                 raise ValueError(f"init_from_target_layer: the target's MLP {tuple(gate.shape)} cannot start "
                                  f"this head's {width} channels")
-            keep = (up.float().norm(dim=1) * down.float().norm(dim=0)).topk(width).indices.sort().values
-            self.mlp.gate_proj.weight.copy_(gate.float()[keep])
-            self.mlp.up_proj.weight.copy_(up.float()[keep])
-            self.mlp.down_proj.weight.copy_(down.float()[:, keep])
+            up, down = get("mlp.up_proj.weight", tuple(gate.shape)), get("mlp.down_proj.weight", (h, gate.shape[0]))
+            keep = (up.norm(dim=1) * down.norm(dim=0)).topk(width).indices.sort().values
+            self.mlp.gate_proj.weight.copy_(gate[keep])
+            self.mlp.up_proj.weight.copy_(up[keep])
+            self.mlp.down_proj.weight.copy_(down[:, keep])
             proj = self.fc if eagle3 else self.eh_proj
             proj.weight.zero_()
             proj.weight[:, -h:].copy_(torch.eye(h))
@@ -572,6 +570,13 @@ class DraftHead(nn.Module):
 
 _EAGLE_TOP = {"eh_proj": "fc", "shared_head.norm": "norm", "enorm": "enorm", "hnorm": "hnorm"}
 _EAGLE3_TOP = ("fc", "norm", "lm_head")
+
+
+def target_layer_tensors(weights: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
+    """Decoder layer ``index``'s tensors of a target's weights (``model.layers.{index}.*``), by name
+    without that prefix: what :meth:`DraftHead.init_from_target_layer` reads."""
+    prefix = f"model.layers.{index}."
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 def _to_checkpoint_name(name: str, variant: str) -> str:

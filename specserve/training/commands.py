@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specserve.config import DEFAULT_MODEL, DTYPES
 from specserve.entrypoints.args import engine_args
-from specserve.models.draft_head import HEAD_VARIANTS
+from specserve.models.draft_head import HEAD_VARIANTS, target_layer_tensors
 from specserve.models.quantization import QUANTIZATIONS
 from specserve.results import write_json
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
@@ -237,8 +237,7 @@ def run_train_head(args: argparse.Namespace) -> int:
     device = args.device
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
-    last = f"model.layers.{loaded.config.num_hidden_layers - 1}."
-    target_layer = {k[len(last):]: v for k, v in w.items() if k.startswith(last)} if cfg.init_from_target else None
+    target_layer = (target_layer_tensors(w, loaded.config.num_hidden_layers - 1) if cfg.init_from_target else None)
     summary, head = train_head(data_dir, out, loaded.config, embed, w.get("lm_head.weight", embed), cfg, device=device,
                                stop_at_step=args.stop_at_step, target_layer=target_layer)
     del loaded, w, embed, head
