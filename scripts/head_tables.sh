@@ -11,7 +11,9 @@
 # "Piece 7" in BENCHMARKS.md, itself resumable). Environment: DATA (the folder), RUNS (where the
 # heads go), TOKENS_PER_STEP (the folder's mean tokens per step of 4 x 512-token segments, printed
 # by train-head; 1,500 for answers + sources), EVAL_PROMPTS (HumanEval 0..n-1), EVAL_SPECBENCH,
-# MIXED (the training's --mixed-precision; default bfloat16 where the CPU has it, else none).
+# MIXED (the training's --mixed-precision; default bfloat16 where the CPU has it, else none),
+# PIECES (default "scaling norm": the data-scaling rows, then the normed / eagle rows at 500k; name
+# one of them to run only it, e.g. on a machine that has the folder but not the other piece's heads).
 # Run it alone: two torch processes on two cores slow each other far more than 2x.
 #
 # Every result is also copied into the checkout as soon as it exists (RESULTS, default
@@ -30,6 +32,7 @@ RESULTS=${RESULTS:-docs/heads/tables}
 # bfloat16 autocast only where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): an AVX2
 # CPU emulates it, slower than float32
 if grep -q -E 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then MIXED=${MIXED:-bfloat16}; else MIXED=${MIXED:-none}; fi
+PIECES=${PIECES:-scaling norm}
 EPOCHS=4
 common=(--target "$TARGET" -q int4 --precompute skip --data-dir "$DATA" --intermediate-size 4480
         --draft-vocab-size 16384 --batch-size 4 --lr 1e-3 --warmup-steps 10 --mixed-precision "$MIXED"
@@ -63,14 +66,14 @@ evaluate_both() {   # the chain k = 4, then the bench's tree (depth 4, top-k 4, 
   evaluate "$1" eval-tree --method eagle --num-speculative-tokens 4 --eagle-topk 4 --num-draft-tokens 12
 }
 # each head is evaluated as soon as it is trained, so that an interrupted run leaves whole rows
-for n in 50000 150000 500000; do
+if [[ " $PIECES " == *" scaling "* ]]; then for n in 50000 150000 500000; do
   train "$RUNS/int4-eagle3-$n" --variant eagle3 --unroll-steps 3 --max-train-tokens $n \
       --num-steps $((n * EPOCHS / TOKENS_PER_STEP))
   evaluate_both "$RUNS/int4-eagle3-$n"
-done
-for v in normed eagle; do
+done; fi
+if [[ " $PIECES " == *" norm "* ]]; then for v in normed eagle; do
   train "$RUNS/int4-$v-500000" --variant $v --max-train-tokens 500000 \
       --num-steps $((500000 * EPOCHS / TOKENS_PER_STEP))
   evaluate_both "$RUNS/int4-$v-500000"
-done
+done; fi
 echo "all done: commit $RESULTS"
