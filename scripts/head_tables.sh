@@ -13,7 +13,8 @@
 # by train-head; 1,500 for answers + sources), EVAL_PROMPTS (HumanEval 0..n-1), EVAL_SPECBENCH,
 # MIXED (the training's --mixed-precision; default bfloat16 where the CPU has it, else none),
 # PIECES (default "scaling norm": the data-scaling rows, then the normed / eagle rows at 500k; name
-# one of them to run only it, e.g. on a machine that has the folder but not the other piece's heads).
+# one of them to run only it, e.g. on a machine that has the folder but not the other piece's heads),
+# VARIANTS (default "normed eagle": the norm / no-norm heads the "norm" piece trains, in that order).
 # Run it alone: two torch processes on two cores slow each other far more than 2x.
 #
 # Every result is also copied into the checkout as soon as it exists (RESULTS, default
@@ -33,6 +34,7 @@ RESULTS=${RESULTS:-docs/heads/tables}
 # CPU emulates it, slower than float32
 if grep -q -E 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then MIXED=${MIXED:-bfloat16}; else MIXED=${MIXED:-none}; fi
 PIECES=${PIECES:-scaling norm}
+VARIANTS=${VARIANTS:-normed eagle}
 EPOCHS=4
 common=(--target "$TARGET" -q int4 --precompute skip --data-dir "$DATA" --intermediate-size 4480
         --draft-vocab-size 16384 --batch-size 4 --lr 1e-3 --warmup-steps 10 --mixed-precision "$MIXED"
@@ -71,7 +73,7 @@ if [[ " $PIECES " == *" scaling "* ]]; then for n in 50000 150000 500000; do
       --num-steps $((n * EPOCHS / TOKENS_PER_STEP))
   evaluate_both "$RUNS/int4-eagle3-$n"
 done; fi
-if [[ " $PIECES " == *" norm "* ]]; then for v in normed eagle; do
+if [[ " $PIECES " == *" norm "* ]]; then for v in $VARIANTS; do
   train "$RUNS/int4-$v-500000" --variant $v --max-train-tokens 500000 \
       --num-steps $((500000 * EPOCHS / TOKENS_PER_STEP))
   evaluate_both "$RUNS/int4-$v-500000"

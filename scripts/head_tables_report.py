@@ -64,19 +64,23 @@ def plot(heads: list[dict], out: str) -> str | None:
         return note
     fig, ax = plt.subplots(figsize=(6.4, 4))
     scaling = [h for h in heads if h["variant"] == "eagle3"]
-    for kind, label in (("eval", "chain, k = 4"), ("eval-tree", "EAGLE-2 tree, 12 nodes")):
+    for kind, label in (("eval", "eagle3 (3 steps), chain k = 4"), ("eval-tree", "eagle3, EAGLE-2 tree of 12 nodes")):
         pts = [(h["summary"]["train_tokens"], h[kind]) for h in scaling if h[kind] is not None]
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1]["acceptance_length"] for p in pts],
                         yerr=[p[1]["acceptance_length_stderr"] for p in pts], marker="o", capsize=3, label=label)
-    for h in heads:
-        if h["variant"] != "eagle3" and h["eval"] is not None:
-            ax.plot([h["summary"]["train_tokens"]], [h["eval"]["acceptance_length"]], marker="s", linestyle="",
-                    label=f"{h['variant']} (1 step), chain")
+    # the one-step variants (the norm / no-norm rows) as points beside eagle3's largest size, shifted
+    # apart on the log axis so that their error bars do not overlap
+    for i, h in enumerate(h for h in heads if h["variant"] != "eagle3"):
+        for kind, marker, label in (("eval", "s", "chain"), ("eval-tree", "D", "tree")):
+            if h[kind] is not None:
+                ax.errorbar([h["summary"]["train_tokens"] * 1.06 ** (i + 1)], [h[kind]["acceptance_length"]],
+                            yerr=[h[kind]["acceptance_length_stderr"]], marker=marker, linestyle="", capsize=3,
+                            color=f"C{2 + i}", label=f"{h['variant']} (1 step), {label}")
     ax.set_xscale("log")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("acceptance length (held-out prompts)")
-    ax.set_title("EAGLE-3 head of the int4 Qwen2.5-Coder-1.5B: data scaling", fontsize=10)
+    ax.set_title("Draft heads of the int4 Qwen2.5-Coder-1.5B: data scaling, norms at 500k", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
