@@ -71,7 +71,8 @@ def plot(heads: list[dict], out: str) -> str | None:
                         yerr=[p[1]["acceptance_length_stderr"] for p in pts], marker="o", capsize=3, label=label)
     # the one-step variants (the norm / no-norm rows) as points beside eagle3's largest size, shifted
     # apart on the log axis so that their error bars do not overlap
-    for i, h in enumerate(h for h in heads if h["variant"] != "eagle3"):
+    one_step = [h for h in heads if h["variant"] != "eagle3"]
+    for i, h in enumerate(one_step):
         for kind, marker, label in (("eval", "s", "chain"), ("eval-tree", "D", "tree")):
             if h[kind] is not None:
                 ax.errorbar([h["summary"]["train_tokens"] * 1.06 ** (i + 1)], [h[kind]["acceptance_length"]],
