@@ -2,7 +2,8 @@
 
     python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp [--k 3]] [--decode-only] [--max-k 0] [--rounds 4]
 
-Every quantized linear's kernel module and the paged-attention kernel are swapped between runs,
+Every quantized linear's kernel and the paged-attention kernel are swapped between runs (the old
+kernel runs on the row-major weights of commits before the packed layout, kept beside the packed),
 alternating old / new per round (the same weights, so the machine's drift hits both): a greedy
 48-token generation (plain decode, or `mtp` with k = 3 and the shipped head: verifies of k + 1
 rows), and unless --decode-only the time to first token of a 1,024-token prompt (standard-library
@@ -16,6 +17,8 @@ import gc
 import statistics
 import time
 
+import torch
+
 from kernel_bench import build_other, build_other_attention
 
 from specserve.attention import cpu_backend
@@ -28,9 +31,26 @@ from specserve.training.corpus import stdlib_documents
 from specserve.training.hidden_states import _run_segments
 
 
+def row_major_forward(lin: QuantizedLinear, ops):
+    """``lin``'s forward on a kernel of the row-major layout (commits before the packed one)."""
+    parts = lin.parts
+
+    def forward(x):
+        out = torch.empty(x.shape[0], lin.out_features, dtype=torch.float32)
+        x = x.float().contiguous()
+        xq, dx, bsum = ops.quantize_rows(x)
+        for q, col0, bias in zip(parts, lin.offsets, lin._part_bias):
+            if q.layout == "int4":
+                ops.q4_matmul(xq, dx, bsum, q.qs, q.sc, q.mn, q.d, q.dmin, bias, out, col0)
+            else:
+                ops.q8_matmul(xq, dx, q.qs, q.sc, q.d, bias, out, col0)
+        return out
+    return forward
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--against", default="00784f9", help="the commit whose kernel is 'old'")
+    ap.add_argument("--against", default="2a5e881", help="the commit whose kernel is 'old'")
     ap.add_argument("--mtp", action="store_true", help="generate with method mtp (the shipped head)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens with --mtp")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill timings")
@@ -43,6 +63,8 @@ def main():
     builds = {"old": build_other(args.against), "new": quant_ops()}
     attention = {"old": build_other_attention(args.against), "new": attention_ops()}
     linears = [m for m in gc.get_objects() if isinstance(m, QuantizedLinear)]
+    forwards = {"new": {id(lin): lin.forward for lin in linears},
+                "old": {id(lin): row_major_forward(lin, builds["old"]) for lin in linears}}
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     prompt = "def quicksort(arr):\n    \"\"\"Sort a list of integers.\"\"\"\n"
     ids = [t for _, d in stdlib_documents(llm.get_tokenizer(), max_tokens=4000) for t in d]
@@ -55,7 +77,7 @@ def main():
     for _ in range(args.rounds):
         for name, ops in builds.items():
             for lin in linears:
-                lin._ops = ops
+                lin.forward = forwards[name][id(lin)]
             cpu_backend._kernel = lambda module=attention[name]: module
             t = time.perf_counter()
             out = llm.generate([prompt], params, use_tqdm=False)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.kernels import build_quant_ops, cpu_has_amx, cpu_has_vnni, cpu_supports_quantized
+from specserve.kernels import build_quant_ops, cpu_has_vnni, cpu_supports_quantized
 from specserve.models.linear import QuantizedLinear, make_linear
+from specserve.models.weight_packing import PackedWeight
 from specserve.models.quantization import (QuantizedTensor, from_gguf, kernel_order, layout_for, natural_order,
                                           pack_int4, quantize, quantize_rows_reference, reference_matmul, unpack_int4)
 
@@ -108,9 +109,10 @@ def test_kernel_order_transposes_groups_of_four(k):
 
 @pytest.mark.parametrize("layout", LAYOUTS + ["mixed"])
 def test_rows_bitwise_independent_of_row_count(layout):
-    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17, 31..34
-    and 127..130 (with VNNI, calls of 16 rows or more pair the weight rows; with AMX, int4 calls of
-    32 rows or more and int8 calls of 128 or more run on tiles: the bits stay the same)."""
+    """Row i of an M-row call equals row i alone and the same row in any other M, M = 1..17, 23..26,
+    31..34, 127..130 and 255..258 (the kernels switch from one-vector tiles of up to 12 rows to
+    two-vector tiles of up to 6 above 24 rows, and take the rows in passes of 256 at this
+    in_features: the bits stay the same)."""
     k = 1536
     if layout == "mixed":  # a fused q/k/v: q, k int4 (Q4_K) and v int8 (Q6_K)
         lin = make_linear([quantize(_weight(64, k, 1), "int4"), quantize(_weight(32, k, 2), "int4"),
@@ -118,19 +120,19 @@ def test_rows_bitwise_independent_of_row_count(layout):
         assert [p.layout for p in lin.parts] == ["int4", "int8"]
     else:
         lin = make_linear([_weight(72, k)], torch.randn(72), layout)
-    x = _inputs(130, k)
-    alone = torch.cat([lin(x[i:i + 1]) for i in range(130)])
-    for m in list(range(1, 18)) + [31, 32, 33, 34, 127, 128, 129, 130]:
+    x = _inputs(258, k)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(258)])
+    for m in list(range(1, 18)) + [23, 24, 25, 26, 31, 32, 33, 34, 127, 128, 129, 130, 255, 256, 257, 258]:
         assert torch.equal(lin(x[:m]), alone[:m]), m
-        assert torch.equal(lin(x[130 - m:]), alone[130 - m:]), m  # rows at other places in the batch
+        assert torch.equal(lin(x[258 - m:]), alone[258 - m:]), m  # rows at other places in the batch
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_result_independent_of_thread_count(layout):
-    """An odd number of weight rows: with VNNI the kernels pair weight rows, and a thread's range
-    may end on a row left alone, a different one for each thread count; the bits stay the same."""
+    """75 weight rows (five groups of 16, the last one short): threads split the groups, and
+    two-vector tiles leave a different lone vector for each thread count; the bits stay the same."""
     lin = make_linear([_weight(75, 1536)], None, layout)
-    x = _inputs(130, 1536)   # enough rows for the pairing (kPairMinRows) and the AMX tiles (kAmx*MinRows)
+    x = _inputs(130, 1536)   # enough rows for the two-vector tiles
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -142,32 +144,38 @@ def test_result_independent_of_thread_count(layout):
     assert torch.equal(one, lin(x)) and torch.equal(three, one)
 
 
+def _builds():
+    """Every build this CPU runs: AVX2, and with VNNI 256- and 512-bit vectors."""
+    vnni = [build_quant_ops(vnni=True, zmm=z) for z in (True, False)] if cpu_has_vnni() else []
+    return [build_quant_ops(vnni=False)] + vnni
+
+
+def _call(ops, x, packed: PackedWeight, out):
+    xq, dx, bsum = ops.quantize_rows(x)
+    p = packed
+    if p.layout == "int4":
+        ops.q4_matmul(xq, dx, bsum, p.wq, p.sc, p.mn, p.d, p.dmin, p.n, None, out, 0)
+    else:
+        ops.q8_matmul(xq, dx, p.wq, p.sc, p.corr, p.d, p.n, None, out, 0)
+    return xq
+
+
 @pytest.mark.skipif(not cpu_has_vnni(), reason="this CPU has no AVX-512 VNNI: only the AVX2 kernels exist here")
 @pytest.mark.parametrize("k", [1536, 896, 2304, 2176])
-@pytest.mark.parametrize("m", [7, 21, 37, 134, 330])
+@pytest.mark.parametrize("m", [1, 7, 21, 37, 134])
 def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
-    """The VNNI dot product (scales applied per lane after the superblock; whole superblocks on
-    64-byte vectors or on 32-byte ones), the AVX2 one (scales folded into vpmaddwd) and, where
-    the CPU has them, AMX tiles (int4 from 32 rows, int8 from 128) sum the same integers: equal
-    outputs, bit for bit, in whole and short superblocks, for both layouts, with one weight row per
-    pass (7 rows) and with two (21 rows: VNNI pairs weight rows from 16, and 41 leaves one alone);
-    with AMX, 37, 134 and 330 rows (32-row blocks and a mostly empty one), weight rows 0-31 on
-    tiles and the 9 others on vectors, and 2304 columns (nine superblocks: the tiles' float work in
-    passes; 330 rows: two passes over the activations) and 2176 (a short superblock in the last
-    pass)."""
-    amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
-    assert all(ops.amx_enabled() for ops in amx)   # granted by the OS: the tiles really run
-    builds = amx + [build_quant_ops(vnni=True, zmm=True, amx=False), build_quant_ops(vnni=True, zmm=False),
-                    build_quant_ops(vnni=False)]
+    """The VNNI dot products (vpdpbusd, scales multiplied per sub-block; 512-bit vectors of 16
+    weight rows or 256-bit ones of 8) and the AVX2 ones (vpmaddubsw / vpmaddwd, int4's pair sums
+    added as int16) sum the same integers: equal outputs, bit for bit, in whole and short
+    superblocks, for both layouts, with one-vector tiles (1, 7, 21 rows) and two-vector ones (37,
+    134), 41 weight rows (a short last group)."""
     x = _inputs(m, k)
-    w4, w8 = quantize(_weight(41, k), "int4"), quantize(_weight(41, k, 2), "int8")
+    w4, w8 = PackedWeight.pack(quantize(_weight(41, k), "int4")), PackedWeight.pack(quantize(_weight(41, k, 2), "int8"))
     outs = []
-    for ops in builds:
-        xq, dx, bsum = ops.quantize_rows(x)
+    for ops in _builds():
         o4, o8 = torch.empty(m, 41), torch.empty(m, 41)
-        ops.q4_matmul(xq, dx, bsum, w4.qs, w4.sc, w4.mn, w4.d, w4.dmin, None, o4, 0)
-        ops.q8_matmul(xq, dx, w8.qs, w8.sc, w8.d, None, o8, 0)
-        outs.append((xq, o4, o8))
+        outs.append((_call(ops, x, w4, o4), o4, o8))
+        _call(ops, x, w8, o8)
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert torch.equal(a, b)
@@ -177,11 +185,10 @@ def test_vnni_and_avx2_kernels_give_the_same_bits(k, m):
 @pytest.mark.parametrize("k", [1536, 896])
 def test_int4_integer_sums_at_their_extremes(k):
     """Every weight at 15 (the top nibble), every sub-block scale and min at 255 and activations at
-    +-127 after quantization: the largest integer sums the AVX2 int4 kernel forms (it adds a
-    superblock's pair products as int16, 8 x 3,810 per lane) still match the float64 oracle, in whole
-    and short superblocks, for both signs; the AVX2 build everywhere, both VNNI builds (int4 on 64-
-    and on 32-byte vectors) where the CPU has them, and the AMX one (34 rows, 38 weight rows: 32 of
-    them on tiles) where it has those."""
+    +-127 after quantization: the largest integer sums the int4 kernels form (the AVX2 build adds a
+    sub-block's pair products as int16, 8 x 3,810 per lane; a superblock's scaled sum reaches 8 x
+    255 x 60,960, near 2^27) still match the float64 oracle, in whole and short superblocks, for
+    both signs, in every build this CPU runs."""
     n, s = 38, (k + 255) // 256
     w = QuantizedTensor("int4", torch.full((n, k // 2), 0xFF, dtype=torch.uint8),
                         torch.full((n, k // 32), 255, dtype=torch.uint8), torch.full((n, k // 32), 255, dtype=torch.uint8),
@@ -189,13 +196,55 @@ def test_int4_integer_sums_at_their_extremes(k):
     x = torch.stack([torch.full((k,), 127.0), torch.full((k,), -127.0)] * 17)
     ref = reference_matmul(x, w)
     assert ref[0, 0] == 127 * 15 * 255 * k   # every dot product at its largest: the oracle is exact here
-    vnni = [build_quant_ops(vnni=True, zmm=z, amx=False) for z in (True, False)] if cpu_has_vnni() else []
-    amx = [build_quant_ops(vnni=True, zmm=True, amx=True)] if cpu_has_amx() else []
-    for ops in [build_quant_ops(vnni=False)] + vnni + amx:
-        xq, dx, bsum = ops.quantize_rows(x)
+    for ops in _builds():
         got = torch.empty(34, n)
-        ops.q4_matmul(xq, dx, bsum, w.qs, w.sc, w.mn, w.d, w.dmin, None, got, 0)
+        _call(ops, x, PackedWeight.pack(w), got)
         assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+@pytest.mark.parametrize("k", [1536, 896])
+def test_int8_integer_sums_at_their_extremes(k):
+    """int8 weights at +-127 with scales at +-127 against activations at +-127: the VNNI path's
+    offset activations (x + 128 up to 255) and its correction term, and the AVX2 path's pair sums
+    (2 x 127 x 127 < 2^15), at their largest, match the float64 oracle in every build."""
+    n, s = 40, (k + 255) // 256
+    sign = torch.where(torch.arange(k) % 3 == 0, -1, 1)
+    q = (127 * sign).to(torch.int8).expand(n, k)
+    sc = torch.full((n, k // 16), 127, dtype=torch.int8)
+    sc[1::2] = -127   # odd weight rows: negative sub-block scales (Q6_K's are signed)
+    from specserve.models.quantization import kernel_order
+    w = QuantizedTensor("int8", q[:, kernel_order(k)].contiguous(), sc, None, torch.ones(n, s) / 7, None)
+    x = torch.stack([127.0 * sign, -127.0 * sign, torch.full((k,), 127.0)] * 6).float()
+    ref = reference_matmul(x, w)
+    assert abs(ref[0, 0] / (127 ** 3 * k * w.d[0, 0].item()) - 1) < 1e-12   # every product at its largest
+    for ops in _builds():
+        got = torch.empty(18, n)
+        _call(ops, x, PackedWeight.pack(w), got)
+        assert (got.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", SHAPES + [(17, 512)])
+def test_packed_layout_round_trips(layout, shape):
+    """Packing is a reordering: unpacking gives the same integers and scales back, bit for bit, and
+    the packed bytes hold the documented positions (hand-checked: row 16g + w's values at byte 4w)."""
+    n, k = shape
+    if layout == "int4" and k % 64:
+        pytest.skip("int4 packs 64 values per 32 bytes")
+    qt = quantize(_weight(n, k), layout)
+    packed = PackedWeight.pack(qt)
+    back = packed.unpack()
+    for f in ("qs", "sc", "mn", "d", "dmin"):
+        a, b = getattr(qt, f), getattr(back, f)
+        assert (a is None and b is None) or torch.equal(a, b), f
+    natural = qt.dequantize()
+    if layout == "int4":   # value 32j + 8c + i of row w: low nibble of byte 4w + i in block (j, c)
+        q = unpack_int4(qt.qs)
+        assert packed.wq[0, 1, 2, 3, 1] & 0x0F == q[3, 32 + 16 + 1] and packed.wq[0, 1, 2, 3, 1] >> 4 == q[3, 32 + 16 + 4 + 1]
+    else:                  # value 16j + 4t + i of row w at [g, j, t, w, i]
+        q = qt.qs[:, natural_order(k)]
+        assert packed.wq[0, 2, 1, 5, 3] == q[5, 32 + 4 + 3]
+    assert torch.equal(back.dequantize(), natural)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -3,7 +3,7 @@
 ``quant_linear.cpp`` holds the batch-invariant int8 / int4 linears of
 :mod:`specserve.models.quantization`: integer dot products (AVX2, or AVX-512 VNNI where the CPU
 has it: the same integers, so the same bits) over k-quant weight layouts (llama.cpp's Q4_K / Q6_K
-superblocks, stored in the kernels' order) and per-row int8 activations. Why our own kernel and not a
+superblocks, repacked at load with 16 weight rows interleaved) and per-row int8 activations. Why our own kernel and not a
 library one is recorded in ``docs/quantization.md``.
 
 ``paged_attention.cpp`` holds the batch-invariant paged attention of
@@ -61,22 +61,26 @@ def cpu_has_vnni() -> bool:
 
 
 def cpu_runs_512bit_at_full_width() -> bool:
-    """Whether the kernels should run on 512-bit vectors (int4: whole superblocks' dot products
-    and the float work of two rows per vector; int8: one weight row's dot products). Intel's
-    AVX-512 CPUs execute them at full width (plain decode 1.10x, `mtp` 1.12x, prefill 1.25x on a
-    Xeon with AMX, same bits); AMD's Zen 4 splits each into two 256-bit halves, where 512-bit dot
-    products measured no faster for few rows and slower for many (BENCHMARKS.md, "512-bit int4
-    superblocks on Intel AVX-512")."""
+    """Whether the kernels should run on 512-bit vectors (16 weight rows per vector instead of 8).
+    Intel's AVX-512 CPUs and AMD's Zen 5 (family 26) execute them at full width; Zen 4 (family 25)
+    splits each into two 256-bit halves (BENCHMARKS.md, "512-bit int4 superblocks on Intel
+    AVX-512")."""
     vendor, flags = _cpu_info()
-    return vendor == "GenuineIntel" and {"avx512_vnni", "avx512vl", "avx512bw"} <= flags
+    if not {"avx512_vnni", "avx512vl", "avx512bw"} <= flags:
+        return False
+    return vendor == "GenuineIntel" or (vendor == "AuthenticAMD" and _cpu_family() >= 26)
 
 
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX int8 tiles (Intel Sapphire Rapids and later), which the int4 and
-    int8 kernels use for calls of many rows (prefill): the same integer sums, so the same bits.
-    The kernels also ask Linux for the tiles' state at run time and keep to vector instructions
-    where it is refused."""
-    return {"amx_tile", "amx_int8"} <= _cpu_info()[1] and cpu_runs_512bit_at_full_width()
+def _cpu_family() -> int:
+    """The first CPU's ``cpu family`` in ``/proc/cpuinfo`` (0 where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("cpu family"):
+                    return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def quant_ops():
@@ -109,14 +113,12 @@ def _load_once(name: str, what: str, advice: str, build):
         return _modules[name]
 
 
-def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None, amx: bool | None = None):
+def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None):
     """Compile (or load from the on-disk cache) the kernels, with the AVX-512 VNNI dot product or
     the AVX2 one: both give the same bits, which tests compare on CPUs that have VNNI. ``zmm``
-    (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): whole superblocks on 512-bit
-    vectors, the same integers again. ``amx`` (with ``zmm`` only; default :func:`cpu_has_amx`):
-    int4 calls of 32 rows or more and int8 calls of 128 or more on AMX tiles, the same bits again;
-    where the compiler has no AMX (GCC < 11) the default builds without it. ``source``: another
-    version of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times one against this).
+    (VNNI only; default :func:`cpu_runs_512bit_at_full_width`): 512-bit vectors, the same bits
+    again. ``source``: another version of ``quant_linear.cpp`` (``scripts/kernel_bench.py`` times
+    one against this).
 
     Raises:
         KernelUnavailableError: the extension does not build (the compiler's last line).
@@ -126,13 +128,6 @@ def build_quant_ops(vnni: bool, source: Path = _SOURCE, zmm: bool | None = None,
         flags += ["-mavx512vnni", "-mavx512vl", "-mavx512bw"]
         if cpu_runs_512bit_at_full_width() if zmm is None else zmm:
             flags.append("-DSPECSERVE_ZMM")
-            if cpu_has_amx() if amx is None else amx:
-                try:
-                    return _build(Path(source), flags + ["-mamx-tile", "-mamx-int8", "-DSPECSERVE_AMX"],
-                                  "quant_linear", "or use quantization 'none'")
-                except KernelUnavailableError:
-                    if amx:   # asked for by name: say why not
-                        raise
     return _build(Path(source), flags, "quant_linear", "or use quantization 'none'")
 
 

@@ -86,20 +86,27 @@ class QuantizedLinear(nn.Module):
     def __init__(self, parts: "list[QuantizedTensor]", bias: torch.Tensor | None = None):
         super().__init__()
         from specserve.kernels import quant_ops
+        from specserve.models.weight_packing import PackedWeight
 
         self._ops = quant_ops()
         self.in_features = parts[0].shape[1]
         self.out_features = sum(p.shape[0] for p in parts)
-        self.parts = parts
+        # the kernels' interleaved layout replaces the row-major integers (no second copy)
+        self.packed = [PackedWeight.pack(p) for p in parts]
         self.offsets = list(itertools.accumulate([0] + [p.shape[0] for p in parts]))[:-1]
         self.bias = None if bias is None else nn.Parameter(bias.float().contiguous(), requires_grad=False)
         self._part_bias = [None if bias is None else self.bias.data[o:o + p.shape[0]]
                            for o, p in zip(self.offsets, parts)]
 
     @property
+    def parts(self) -> "list[QuantizedTensor]":
+        """The weight blocks as row-major ``QuantizedTensor`` s (unpacked on each call: exact, not fast)."""
+        return [p.unpack() for p in self.packed]
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the quantized weight blocks one forward reads."""
-        return sum(p.nbytes for p in self.parts)
+        return sum(p.nbytes for p in self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
@@ -108,11 +115,11 @@ class QuantizedLinear(nn.Module):
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
         xq, dx, bsum = self._ops.quantize_rows(x)
-        for part, col0, bias in zip(self.parts, self.offsets, self._part_bias):
-            if part.layout == "int4":
-                self._ops.q4_matmul(xq, dx, bsum, part.qs, part.sc, part.mn, part.d, part.dmin, bias, out, col0)
+        for p, col0, bias in zip(self.packed, self.offsets, self._part_bias):
+            if p.layout == "int4":
+                self._ops.q4_matmul(xq, dx, bsum, p.wq, p.sc, p.mn, p.d, p.dmin, p.n, bias, out, col0)
             else:
-                self._ops.q8_matmul(xq, dx, part.qs, part.sc, part.d, bias, out, col0)
+                self._ops.q8_matmul(xq, dx, p.wq, p.sc, p.corr, p.d, p.n, bias, out, col0)
         return out
 
     def dequantize(self) -> torch.Tensor:
@@ -120,7 +127,7 @@ class QuantizedLinear(nn.Module):
         return torch.cat([p.dequantize() for p in self.parts])
 
     def extra_repr(self) -> str:
-        layouts = "+".join(f"{p.layout}({p.source})" for p in self.parts)
+        layouts = "+".join(f"{p.layout}({p.source})" for p in self.packed)
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layouts}"
 
 
