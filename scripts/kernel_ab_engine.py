@@ -1,6 +1,6 @@
 """The int4 1.5B target with this checkout's kernels against another commit's, in one process.
 
-    python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp [--k 3]] [--decode-only] [--max-k 0] [--rounds 4]
+    python scripts/kernel_ab_engine.py [--against COMMIT] [--mtp [--k 3]] [--decode-only] [--max-k 0] [--rounds 4] [--json F]
 
 Every quantized linear's kernel and the paged-attention kernel are swapped between runs (the old
 kernel runs on the row-major weights of commits before the packed layout, kept beside the packed),
@@ -14,6 +14,7 @@ equal (the kernels' bits are). Run it alone.
 """
 import argparse
 import gc
+import json
 import statistics
 import time
 
@@ -56,6 +57,7 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill timings")
     ap.add_argument("--max-k", type=int, default=0, help="also V(k) for k = 1..max-k (0: none)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--json", default=None, help="write every timing to this JSON file")
     args = ap.parse_args()
     spec = {"method": "mtp", "num_speculative_tokens": args.k} if args.mtp else None
     # no prefix caching: every round prefills the same prompts again
@@ -99,16 +101,23 @@ def main():
                 _run_segments(engine, segments, 20)
                 pre[name].append(time.perf_counter() - t)
                 model.aux_hidden_state_layers = previous
+    def spread(xs, f=lambda x: x):
+        vals = sorted(f(x) for x in xs)
+        return f"{statistics.median(vals):.2f} [{vals[0]:.2f}-{vals[-1]:.2f}]"
     for name in builds:
-        g = statistics.median(gen[name])
-        line = f"{name}: {f'mtp k={args.k}' if args.mtp else 'plain'} {48 / g:.2f} tok/s (median of {args.rounds})"
+        line = f"{name}: {f'mtp k={args.k}' if args.mtp else 'plain'} {spread(gen[name], lambda g: 48 / g)} tok/s"
         if ttft[name]:
-            line += f", time to first token of 1,024 prompt tokens {statistics.median(ttft[name]):.2f} s"
+            line += f", time to first token of 1,024 prompt tokens {spread(ttft[name])} s"
         if pre[name]:
-            line += f", precompute prefill {2048 / statistics.median(pre[name]):.1f} tok/s"
+            line += f", precompute prefill {spread(pre[name], lambda t: 2048 / t)} tok/s"
         if args.max_k:
-            line += ", V(k) " + ", ".join(f"{statistics.median(v):.2f}" for v in vk[name].values())
-        print(line)
+            line += ", V(k) " + ", ".join(spread(v) for v in vk[name].values())
+        print(line + f" (median [min-max] of {args.rounds} rounds)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"against": args.against, "mtp": args.mtp, "k": args.k, "rounds": args.rounds,
+                       "generate_s": gen, "ttft_1024_s": ttft, "precompute_2048_s": pre,
+                       "vk": {n: {str(k): v for k, v in d.items()} for n, d in vk.items()}}, f, indent=1)
     print("same tokens:", all(tokens[k] == tokens[k.replace("old", "new")] for k in tokens if k.startswith("old")))
 
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from specserve.kernels import cpu_runs_512bit_at_full_width, quant_ops
+from specserve.kernels import build_quant_ops, cpu_runs_512bit_at_full_width, quant_ops
 from specserve.models.quantization import quantize
 from specserve.models.weight_packing import PackedWeight
 
@@ -82,12 +82,14 @@ def new_call(ops, layout):
         xq, dx, bsum = ops.quantize_rows(x)
         if layout == "int4":
             ops.q4_matmul(xq, dx, bsum, p.wq, p.sc, p.mn, p.d, p.dmin, p.n, None, out, 0)
+        elif layout == "int6":
+            ops.q6_matmul(xq, dx, p.wq, p.sc, p.sc2, p.d, p.n, None, out, 0)
         else:
             ops.q8_matmul(xq, dx, p.wq, p.sc, p.corr, p.d, p.n, None, out, 0)
     return run
 
 
-def old_call(ops, layout):   # the row-major kernels (before the packed layout)
+def old_call(ops, layout):   # the row-major kernels (before the packed layout; Q6_K as int8)
     def run(x, q, out):
         xq, dx, bsum = ops.quantize_rows(x)
         if layout == "int4":
@@ -123,31 +125,41 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cold-mb", type=float, default=384.0)
     ap.add_argument("--against", default=None, help="also time this commit's kernels (row-major layout)")
+    ap.add_argument("--isa", choices=["native", "avx2", "vnni256", "vnni512"], default="native",
+                    help="the kernels' build: native (what this CPU gets by default; --against: what that commit "
+                         "chose), or one instruction set for both (default: %(default)s)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="write G MAC/s against M with the roofline to this PNG")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    ops = quant_ops()
+    isa = {"avx2": dict(vnni=False), "vnni256": dict(vnni=True, zmm=False), "vnni512": dict(vnni=True, zmm=True)}
+    ops = quant_ops() if args.isa == "native" else build_quant_ops(**isa[args.isa])
     old = None
     if args.against:
-        from kernel_bench import build_other   # scripts/kernel_bench.py
-        old = build_other(args.against)
+        from kernel_bench import build_other, other_source   # scripts/kernel_bench.py
+        old = (build_other(args.against) if args.isa == "native"
+               else build_quant_ops(source=other_source(args.against), **isa[args.isa]))
     peak, bw = dot_peak(ops), bandwidth(ops)
     lanes = ops.tile_shapes()[0]
-    print(f"CPU: {cpu_name()}; threads {args.threads}; kernels on {lanes * 32}-bit vectors "
+    print(f"CPU: {cpu_name()}; threads {args.threads}; build {args.isa}, kernels on {lanes * 32}-bit vectors "
           f"(512-bit at full width: {cpu_runs_512bit_at_full_width()})")
     print(f"int8 dot-product peak {peak:.0f} G MAC/s; streaming read {bw:.1f} GB/s")
     rows = [int(m) for m in args.rows.split(",")]
     results = []
     for n, k in SHAPES:
         w = torch.randn(n, k)
-        for layout in ("int4", "int8"):
-            qt = quantize(w, layout)
+        for layout in ("int4", "int6", "int8"):
+            if layout == "int6":   # Q6_K's integer range in the int8 layout (the values do not matter to the timing)
+                q8 = quantize(w, "int8")
+                qt = dataclasses.replace(q8, layout="int6", qs=q8.qs.clamp(-32, 31))
+            else:
+                qt = quantize(w, layout)
             packed = PackedWeight.pack(qt)
             bpw = packed.nbytes / (n * k)
             new_w = copies(packed, args.cold_mb)
-            old_w = copies(qt, args.cold_mb) if old else None
+            # the row-major kernels hold Q6_K's integers as int8
+            old_w = copies(dataclasses.replace(qt, layout="int8") if layout == "int6" else qt, args.cold_mb) if old else None
             for m in rows:
                 x, out = torch.randn(m, k), torch.empty(m, n)
                 runs, ws = [new_call(ops, layout)], [new_w]
@@ -165,7 +177,7 @@ def main():
                 print(f"{n}x{k} {layout} M={m:4d}: {ts[0] * 1e3:8.3f} ms {gmacs[0]:7.1f} G MAC/s = "
                       f"{100 * r['of_roofline']:5.1f}% of roofline {roof:6.0f}, {100 * r['of_peak']:5.1f}% of peak"
                       + (f"   | {args.against}: {ts[1] * 1e3:8.3f} ms {gmacs[1]:7.1f} G MAC/s" if old else ""), flush=True)
-    doc = {"cpu": cpu_name(), "threads": args.threads, "vector_bits": lanes * 32, "peak_gmacs": peak,
+    doc = {"cpu": cpu_name(), "isa": args.isa, "threads": args.threads, "vector_bits": lanes * 32, "peak_gmacs": peak,
            "bandwidth_gbs": bw, "against": args.against, "results": results}
     if args.json:
         with open(args.json, "w") as f:
@@ -179,8 +191,8 @@ def plot(doc: dict, path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for ax, layout in zip(axes, ("int4", "int8")):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
+    for ax, layout in zip(axes, ("int4", "int6", "int8")):
         rs = [r for r in doc["results"] if r["layout"] == layout]
         for shape in {tuple(r["shape"]) for r in rs}:
             sel = [r for r in rs if tuple(r["shape"]) == shape]

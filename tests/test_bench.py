@@ -23,7 +23,7 @@ def _positive(x) -> bool:
 def test_bench_json_has_positive_figures(tiny_bench_model, tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "--model", tiny_bench_model, "--num-prompts", "2", "--max-tokens", "4", "--skip-hf",
-               "--max-k", "2", "--repeats", "2", "--context-len", "20", "--json", str(out)])
+               "--max-k", "2", "--repeats", "2", "--context-len", "20", "--prefill-len", "40", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     s = res["specserve"]["summary"]
@@ -37,8 +37,21 @@ def test_bench_json_has_positive_figures(tiny_bench_model, tmp_path, capsys):
     assert res["vk"]["context_len"] == 20
     assert res["hf"] is None
     assert res["config"]["num_prompts"] == 2 and res["machine"]["torch_threads"] >= 1
+    pre = res["prefill"]["specserve"]
+    assert pre["tokens"] == 40 and len(pre["tok_s"]) == 3 and all(_positive(r) for r in pre["tok_s"])
     printed = capsys.readouterr().out
-    assert "| specserve |" in printed and "V(k)" in printed
+    assert "| specserve |" in printed and "V(k)" in printed and "prefill of 40-token prompts" in printed
+
+
+def test_prefill_prompts_share_no_first_block():
+    """Distinct openings (no prefix-cache hit between them), each exactly the asked length, from a
+    pool shorter than one prompt."""
+    from specserve.benchmarks.bench import prefill_prompts
+
+    prompts = prefill_prompts(list(range(50)), 120)
+    assert [len(p) for p in prompts] == [120, 120, 120]
+    assert len({tuple(p[:16]) for p in prompts}) == 3
+    assert prompts[1][:3] == [37, 38, 39] and prompts[0][50:53] == [0, 1, 2]
 
 
 def test_bench_with_hf_peer_and_batching(tiny_bench_model, tmp_path, capsys):
@@ -60,6 +73,7 @@ def test_bench_with_hf_peer_and_batching(tiny_bench_model, tmp_path, capsys):
 
 def test_bench_rejects_bad_flag(tiny_bench_model):
     assert main(["bench", "--model", tiny_bench_model, "--num-prompts", "0", "--skip-hf"]) == 2
+    assert main(["bench", "--model", tiny_bench_model, "--prefill-len", "-1", "--skip-hf"]) == 2
 
 
 def test_bench_measures_speculation_in_the_same_run(tiny_bench_model, tmp_path, capsys):

@@ -155,6 +155,8 @@ def _call(ops, x, packed: PackedWeight, out):
     p = packed
     if p.layout == "int4":
         ops.q4_matmul(xq, dx, bsum, p.wq, p.sc, p.mn, p.d, p.dmin, p.n, None, out, 0)
+    elif p.layout == "int6":
+        ops.q6_matmul(xq, dx, p.wq, p.sc, p.sc2, p.d, p.n, None, out, 0)
     else:
         ops.q8_matmul(xq, dx, p.wq, p.sc, p.corr, p.d, p.n, None, out, 0)
     return xq
@@ -293,9 +295,9 @@ def _random_kquant_blocks(kind: str, n: int, k: int, seed=0) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-@pytest.mark.parametrize("kind, layout", [("Q4_K", "int4"), ("Q6_K", "int8")])
+@pytest.mark.parametrize("kind, layout", [("Q4_K", "int4"), ("Q6_K", "int8"), ("Q6_K", "int6")])
 def test_gguf_kquant_blocks_map_exactly(kind, layout):
-    """Q4_K -> int4 and Q6_K -> int8 keep the file's values bit for bit (gguf's dequantizer is the oracle)."""
+    """Q4_K -> int4 and Q6_K -> int8 or int6 keep the file's values bit for bit (gguf's dequantizer is the oracle)."""
     import gguf
 
     from specserve.models.gguf_loader import dequantize
@@ -306,7 +308,7 @@ def test_gguf_kquant_blocks_map_exactly(kind, layout):
     qt = from_gguf("w", raw, kind, (n, k), layout, dequantize)
     assert qt.layout == layout and qt.source == kind
     assert np.array_equal(qt.dequantize().numpy(), expected)
-    assert layout_for("int4", kind) == layout and layout_for("int8", "Q4_K") == "int8"
+    assert layout_for("int8", "Q4_K") == "int8"
 
 
 def test_gguf_rows_chunked_like_whole():
@@ -323,6 +325,54 @@ def test_gguf_rows_chunked_like_whole():
     finally:
         quantization._ROWS_PER_CHUNK = old
     assert all(torch.equal(a, b) for a, b in zip((whole.qs, whole.sc, whole.d), (chunked.qs, chunked.sc, chunked.d)))
+
+
+def _q6k(n: int, k: int, seed: int = 0) -> QuantizedTensor:
+    """A GGUF Q6_K tensor of random blocks in the int6 layout (the file's integers, exact)."""
+    from specserve.models.gguf_loader import dequantize
+
+    return from_gguf("w", _random_kquant_blocks("Q6_K", n, k, seed), "Q6_K", (n, k), "int6", dequantize)
+
+
+@pytest.mark.parametrize("shape", [(40, 768), (17, 256), (75, 2304)])
+def test_int6_is_the_int8_layout_in_fewer_bytes(shape):
+    """A Q6_K tensor packed to 6 bits gives, bit for bit, what the same integers give in the int8
+    layout, in every build and at 1, 5 and 37 rows (both tile shapes), reads 0.75 bytes a weight
+    (plus scales), unpacks exactly, and matches the float64 oracle."""
+    n, k = shape
+    q6 = _q6k(n, k)
+    assert q6.layout == "int6" and q6.qs.min() >= -32 and q6.qs.max() <= 31
+    q8 = QuantizedTensor("int8", q6.qs, q6.sc, None, q6.d, None, "Q6_K")
+    p6, p8 = PackedWeight.pack(q6), PackedWeight.pack(q8)
+    assert p6.wq.numel() == -(-n // 16) * 16 * k * 3 // 4
+    back = p6.unpack()
+    assert back.layout == "int6" and torch.equal(back.qs, q6.qs) and torch.equal(back.sc, q6.sc)
+    for m in (1, 5, 37):
+        x = _inputs(m, k)
+        ref = reference_matmul(x, q6)
+        for ops in _builds():
+            o6, o8 = torch.empty(m, n), torch.empty(m, n)
+            _call(ops, x, p6, o6)
+            _call(ops, x, p8, o8)
+            assert torch.equal(o6, o8), m
+            assert (o6.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_int6_rows_bitwise_independent_and_in_fused_linears():
+    """int6 rows alone equal the same rows in any call (one- and two-vector tiles), also as the
+    v block of a fused q/k/v beside int4 blocks (as Q4_K_M files store them)."""
+    k = 512
+    lin = make_linear([quantize(_weight(32, k, 1), "int4"), _q6k(40, k, 2)], torch.randn(72), "int4")
+    assert [p.layout for p in lin.parts] == ["int4", "int6"]
+    x = _inputs(40, k)
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(40)])
+    for m in (1, 2, 5, 12, 13, 24, 25, 40):
+        assert torch.equal(lin(x[:m]), alone[:m]) and torch.equal(lin(x[40 - m:]), alone[40 - m:]), m
+
+
+def test_q6k_goes_to_int6_under_int4():
+    assert layout_for("int4", "Q6_K") == "int6" and layout_for("int8", "Q6_K") == "int8"
+    assert layout_for("int4", "Q8_0") == "int8" and layout_for("int4", "Q4_K") == "int4"
 
 
 # ------------------------------------------------------------------------------ engine level

@@ -50,6 +50,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-k", type=int, default=8, help="V(k) for k = 1..max_k (default: %(default)s)")
     p.add_argument("--context-len", type=int, default=100,
                    help="tokens already in the KV cache for V(k) (default: %(default)s)")
+    p.add_argument("--prefill-len", type=int, default=0,
+                   help="also the prefill rate of 3 distinct prompts of this many tokens (time to the first "
+                        "token, one generated; with --peers llama.cpp its prompt processing of the same ids); "
+                        "0: skip (default)")
     p.add_argument("--skip-hf", action="store_true", help="do not measure HF transformers generate")
     p.add_argument("--peers", default="hf",
                    help="peers measured in the same run, comma list of hf (transformers generate) and llama.cpp "
@@ -84,6 +88,8 @@ def _check_args(args: argparse.Namespace) -> None:
     unknown = sorted(set(_peers(args)) - {"hf", "llama.cpp"})
     if unknown:
         raise ValueError(f"unknown --peers {unknown}; choose from hf, llama.cpp")
+    if getattr(args, "prefill_len", 0) < 0:
+        raise ValueError(f"--prefill-len must be >= 0, got {args.prefill_len}")
     for name in ("num_prompts", "max_tokens", "batch_size", "repeats", "max_k", "context_len", "tree_depth",
                  "quality_tokens"):
         if getattr(args, name) < 1:
@@ -314,6 +320,25 @@ def measure_vk(engine, context_ids: list[int], max_k: int, repeats: int, warmup:
     }
 
 
+def prefill_prompts(pool: list[int], length: int, count: int = 3) -> list[list[int]]:
+    """``count`` prompts of ``length`` tokens cut from ``pool`` (repeated as needed) at different
+    offsets, so that no prompt's first block is another's (no prefix-cache hits)."""
+    if not pool:
+        raise ValueError("no tokens to build prefill prompts from")
+    tokens = pool * (-(-(length + 37 * count) // len(pool)))
+    return [tokens[37 * i:37 * i + length] for i in range(count)]
+
+
+def measure_prefill(engine, prompts: list[list[int]]) -> dict:
+    """Prefill tokens/s of each prompt: its length over its time to first token (one generated token)."""
+    _run_engine_batch(engine, [prompts[0][:64]], 1, "prefill-warmup")
+    rates = []
+    for i, ids in enumerate(prompts):
+        (rec,), _ = _run_engine_batch(engine, [ids], 1, f"prefill-{i}")
+        rates.append(len(ids) / (rec["t_first"] - rec["t0"]))
+    return {"tokens": len(prompts[0]), "tok_s": rates, "tok_s_median": statistics.median(rates)}
+
+
 # ----------------------------------------------------------------------------------------- HF
 
 def load_hf_model(model: str, dtype: torch.dtype):
@@ -479,6 +504,14 @@ def render_markdown(result: dict) -> str:
               "| --- |" + " --- |" * len(vk["vk"]),
               "| V(k) | " + " | ".join(f"{e['v']:.2f}" for e in vk["vk"]) + " |",
               "| t(k+1) ms | " + " | ".join(f"{e['t_ms_median']:.0f}" for e in vk["vk"]) + " |"]
+    pre = result.get("prefill")
+    if pre:
+        ours = pre["specserve"]
+        line = f"prefill of {ours['tokens']}-token prompts (median of {len(ours['tok_s'])}): specserve {ours['tok_s_median']:.1f} tok/s"
+        if "llama_cpp" in pre:
+            line += (f", llama.cpp prompt processing {pre['llama_cpp']['tok_s_median']:.1f} tok/s "
+                     f"(ratio {ours['tok_s_median'] / pre['llama_cpp']['tok_s_median']:.2f})")
+        lines += ["", line]
     return "\n".join(lines)
 
 
@@ -587,6 +620,9 @@ def run_bench(args: argparse.Namespace) -> int:
         context += context or [0]
     result["vk"] = measure_vk(engine, context[:args.context_len], args.max_k, args.repeats)
     loads["after_vk"] = load_average()
+    prefill = prefill_prompts(context, args.prefill_len) if args.prefill_len else []
+    if prefill:
+        result["prefill"] = {"specserve": measure_prefill(engine, prefill)}
     eos = list(engine.model_config.eos_token_ids)
     del engine
     gc.collect()
@@ -604,6 +640,10 @@ def run_bench(args: argparse.Namespace) -> int:
         print("llama.cpp peer: plain" + (f", speculative k={ks}" if draft else ""), file=sys.stderr)
         result["llama_cpp"] = bench_llama_cpp(gguf_path(args.model), prompt_ids, args.max_tokens,
                                               torch.get_num_threads(), draft, ks if draft else [])
+        if prefill:
+            from specserve.benchmarks.llama_cpp_peer import prefill_llama_cpp
+
+            result["prefill"]["llama_cpp"] = prefill_llama_cpp(gguf_path(args.model), prefill, torch.get_num_threads())
         loads["after_llama_cpp"] = load_average()
     if args.quality:
         result["quality"] = bench_quality(args, "llama.cpp" in _peers(args))

@@ -120,6 +120,23 @@ def bench_llama_cpp(target_gguf: str, prompt_ids: list[list[int]], max_tokens: i
     return out
 
 
+def prefill_llama_cpp(target_gguf: str, prompts: list[list[int]], threads: int) -> dict:
+    """llama.cpp's prompt processing rate: each prompt evaluated from an empty cache, its length over
+    the time of ``Llama.eval`` (batches of 512 tokens)."""
+    import statistics
+
+    llm = _open(target_gguf, max(len(p) for p in prompts) + 8, threads)
+    llm.reset()
+    llm.eval(prompts[0][:64])   # warm-up
+    rates = []
+    for ids in prompts:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        rates.append(len(ids) / (time.perf_counter() - t))
+    return {"tokens": len(prompts[0]), "tok_s": rates, "tok_s_median": statistics.median(rates)}
+
+
 def perplexity_llama_cpp(target_gguf: str, segments: list[list[int]], threads: int) -> dict:
     """Teacher-forced perplexity and argmax ids of llama.cpp over ``segments`` (each from position 0)."""
     n_ctx = max(len(s) for s in segments) + 8

@@ -115,6 +115,17 @@ struct Vec {
   static I q4_finish(I sub, I sc) { return _mm512_mullo_epi32(sub, sc); }
   static I q8_dot(I acc, I xu, I w) { return _mm512_dpbusd_epi32(acc, xu, w); }
   static I mins(I acc, I mn, I bs) { return _mm512_dpwssd_epi32(acc, mn, bs); }
+  // quad t (0..3) of a 6-bit sub-block: the low nibbles of lo (t = 0, 1) or hi (t = 2, 3), the two
+  // high bits from hb's bits 2t..2t+1, as unsigned bytes 0..63
+  template <int T>
+  static I six(I lo, I hi, I hb) {
+    const I m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const I nib = T == 0 ? lo : T == 1 ? _mm512_srli_epi16(lo, 4) : T == 2 ? hi : _mm512_srli_epi16(hi, 4);
+    const I top = T == 0 ? _mm512_slli_epi16(hb, 4) : T == 1 ? _mm512_slli_epi16(hb, 2) : T == 2 ? hb : _mm512_srli_epi16(hb, 2);
+    return _mm512_or_si512(_mm512_and_si512(nib, m4), _mm512_and_si512(top, m30));
+  }
+  static I shl5(I v) { return _mm512_slli_epi32(v, 5); }
+  static I isub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static F cvt(I v) { return _mm512_cvtepi32_ps(v); }
   static F fset1(float v) { return _mm512_set1_ps(v); }
   static F fload(const float* p) { return _mm512_loadu_ps(p); }
@@ -151,12 +162,23 @@ struct Vec {
   static I q8_dot(I acc, I xu, I w) { return _mm256_dpbusd_epi32(acc, xu, w); }
   static I mins(I acc, I mn, I bs) { return _mm256_dpwssd_epi32(acc, mn, bs); }
 #else
-  // int32 lanes (|v| < 2^15) -> both int16 halves = v
-  static I scale_form(I sc) { return _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)); }
+  // int32 lanes (|v| < 2^15, either sign) -> both int16 halves = v
+  static I scale_form(I sc) {
+    return _mm256_or_si256(_mm256_and_si256(sc, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(sc, 16));
+  }
   static I q4_dot(I acc, I w, I x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
   static I q4_finish(I sub, I sc16) { return _mm256_madd_epi16(sub, sc16); }
   static I mins(I acc, I mn, I bs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(mn, bs)); }
 #endif
+  template <int T>
+  static I six(I lo, I hi, I hb) {   // as the 512-bit one
+    const I m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const I nib = T == 0 ? lo : T == 1 ? _mm256_srli_epi16(lo, 4) : T == 2 ? hi : _mm256_srli_epi16(hi, 4);
+    const I top = T == 0 ? _mm256_slli_epi16(hb, 4) : T == 1 ? _mm256_slli_epi16(hb, 2) : T == 2 ? hb : _mm256_srli_epi16(hb, 2);
+    return _mm256_or_si256(_mm256_and_si256(nib, m4), _mm256_and_si256(top, m30));
+  }
+  static I shl5(I v) { return _mm256_slli_epi32(v, 5); }
+  static I isub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
   static F fset1(float v) { return _mm256_set1_ps(v); }
   static F fload(const float* p) { return _mm256_loadu_ps(p); }
@@ -221,6 +243,25 @@ struct VecPos {
   explicit VecPos(int64_t v) : g(v / kHalves), lb((v % kHalves) * Vec::L) {}
 };
 
+// Vector v's part of a packed tensor [G, per_group] whose 16 lanes hold `lane` elements each.
+template <typename T>
+__attribute__((always_inline)) inline const T* lanes_of(const T* base, int64_t v, int64_t per_group, int64_t lane) {
+  const VecPos p(v);
+  return base + p.g * per_group + lane * p.lb;
+}
+
+// One superblock's float step: acc[r][v] = fma(float(I[r][v]), d[v][s] * dx[r][s], acc[r][v]), d a
+// packed [G, S, 16] scale.
+template <int MR, int NV>
+__attribute__((always_inline)) inline void float_step(Vec::F (&acc)[MR][NV], const Vec::I (&sums)[MR][NV],
+                                                      const float* const (&d)[NV], const float* dx, int64_t r0,
+                                                      int64_t S, int64_t s) {
+  for (int r = 0; r < MR; ++r) {
+    const Vec::F ds = Vec::fset1(dx[(r0 + r) * S + s]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(Vec::cvt(sums[r][v]), Vec::mul(Vec::fload(d[v] + s * 16), ds), acc[r][v]);
+  }
+}
+
 // The last step of every output of a tile: lanes past N are not written.
 template <int MR, int NV>
 __attribute__((always_inline)) inline void store_tile(const Vec::F (&y)[MR][NV], int64_t r0, int64_t v0, int64_t N,
@@ -249,13 +290,12 @@ inline void q4_tile(const Q4Args& a, int64_t r0, int64_t v0) {
   const float* dmg[NV];
   bool pf[NV];   // one prefetch per group (the halves of a group share its lines)
   for (int v = 0; v < NV; ++v) {
-    const VecPos p(v0 + v);
-    wg[v] = a.wq + p.g * J * 256 + 4 * p.lb;
-    scg[v] = a.sc + p.g * J * 16 + p.lb;
-    mng[v] = a.mn + p.g * J * 16 + 2 * p.lb;
-    dg[v] = a.d + p.g * S * 16 + p.lb;
-    dmg[v] = a.dmin + p.g * S * 16 + p.lb;
-    pf[v] = p.lb == 0;
+    wg[v] = lanes_of(a.wq, v0 + v, J * 256, 4);
+    scg[v] = lanes_of(a.sc, v0 + v, J * 16, 1);
+    mng[v] = lanes_of(a.mn, v0 + v, J * 16, 2);
+    dg[v] = lanes_of(a.d, v0 + v, S * 16, 1);
+    dmg[v] = lanes_of(a.dmin, v0 + v, S * 16, 1);
+    pf[v] = VecPos(v0 + v).lb == 0;
   }
   F acc[MR][NV], macc[MR][NV];
   for (int r = 0; r < MR; ++r)
@@ -298,13 +338,8 @@ inline void q4_tile(const Q4Args& a, int64_t r0, int64_t v0) {
         for (int v = 0; v < NV; ++v) msum[r][v] = Vec::mins(msum[r][v], mv[v], bs);
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      const F ds = Vec::fset1(a.dx[(r0 + r) * S + s]);
-      for (int v = 0; v < NV; ++v) {
-        acc[r][v] = Vec::fma(Vec::cvt(isum[r][v]), Vec::mul(Vec::fload(dg[v] + s * 16), ds), acc[r][v]);
-        macc[r][v] = Vec::fma(Vec::cvt(msum[r][v]), Vec::mul(Vec::fload(dmg[v] + s * 16), ds), macc[r][v]);
-      }
-    }
+    float_step<MR, NV>(acc, isum, dg, a.dx, r0, S, s);
+    float_step<MR, NV>(macc, msum, dmg, a.dx, r0, S, s);
   }
   F y[MR][NV];
   for (int r = 0; r < MR; ++r)
@@ -326,12 +361,11 @@ inline void q8_tile(const Q8Args& a, int64_t r0, int64_t v0) {
   const float* dg[NV];
   bool pf[NV];
   for (int v = 0; v < NV; ++v) {
-    const VecPos p(v0 + v);
-    wg[v] = a.wq + p.g * J * 256 + 4 * p.lb;
-    scg[v] = a.sc + p.g * J * 16 + p.lb;
-    cg[v] = a.corr + p.g * S * 16 + p.lb;
-    dg[v] = a.d + p.g * S * 16 + p.lb;
-    pf[v] = p.lb == 0;
+    wg[v] = lanes_of(a.wq, v0 + v, J * 256, 4);
+    scg[v] = lanes_of(a.sc, v0 + v, J * 16, 1);
+    cg[v] = lanes_of(a.corr, v0 + v, S * 16, 1);
+    dg[v] = lanes_of(a.d, v0 + v, S * 16, 1);
+    pf[v] = VecPos(v0 + v).lb == 0;
   }
   F acc[MR][NV];
   for (int r = 0; r < MR; ++r)
@@ -365,9 +399,8 @@ inline void q8_tile(const Q8Args& a, int64_t r0, int64_t v0) {
       for (int r = 0; r < MR; ++r)
         for (int v = 0; v < NV; ++v) isum[r][v] = Vec::add(isum[r][v], Vec::q4_finish(sub[r][v], scv[v]));
 #else
-      const I m16 = _mm256_set1_epi32(0xFFFF);
       I sc16[NV];
-      for (int v = 0; v < NV; ++v) sc16[v] = _mm256_or_si256(_mm256_and_si256(scv[v], m16), _mm256_slli_epi32(scv[v], 16));
+      for (int v = 0; v < NV; ++v) sc16[v] = Vec::scale_form(scv[v]);
 #pragma GCC unroll 4
       for (int64_t tt = 0; tt < 4; ++tt) {
         const int64_t t = 4 * (jj % 2) + tt;
@@ -384,10 +417,117 @@ inline void q8_tile(const Q8Args& a, int64_t r0, int64_t v0) {
       }
 #endif
     }
-    for (int r = 0; r < MR; ++r) {
-      const F ds = Vec::fset1(a.dx[(r0 + r) * S + s]);
-      for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fma(Vec::cvt(isum[r][v]), Vec::mul(Vec::fload(dg[v] + s * 16), ds), acc[r][v]);
+    float_step<MR, NV>(acc, isum, dg, a.dx, r0, S, s);
+  }
+  store_tile<MR, NV>(acc, r0, v0, a.N, a.bias, a.out, a.ldo);
+}
+
+// The packed 6-bit operands (Q6_K's integers u = q + 32 in 0..63): wq [G, K / 16, 192] uint8, per
+// 16-value sub-block j 128 bytes of nibbles (64-byte block c: byte 4w + i's low nibble is the low
+// four bits of weight row 16g + w's value 16j + 8c + i, its high nibble those of value 16j + 8c + 4
+// + i) then 64 bytes of high bits (byte 4w + i, bits 2t..2t+1: value 16j + 4t + i's top two); sc
+// [G, K / 16, 16] int8; sc2 [G, K / 32, 16, 2] int16 the scales of sub-blocks 2p, 2p + 1 side by
+// side; d [G, S, 16]. Activations xq and bs [M, K / 16] int16 each 16-value sub-block's sum.
+// I = sum_j sc[j] * (sum u x) - 32 * sum_j sc[j] * (sum x): int8's I on the same integers, so the
+// same bits as the int8 layout holding them.
+struct Q6Args {
+  int64_t M, N, K, S;
+  const int8_t* xq;
+  const float* dx;
+  const int16_t* bs;
+  const uint8_t* wq;
+  const int8_t* sc;
+  const int16_t* sc2;
+  const float* d;
+  const float* bias;
+  float* out;
+  int64_t ldo;
+};
+
+template <int MR, int NV>
+inline void q6_tile(const Q6Args& a, int64_t r0, int64_t v0) {
+  using I = Vec::I;
+  using F = Vec::F;
+  const int64_t K = a.K, S = a.S, J = K / 16;
+  const uint8_t* wg[NV];
+  const int8_t* scg[NV];
+  const int16_t* s2g[NV];
+  const float* dg[NV];
+  bool pf[NV];
+  for (int v = 0; v < NV; ++v) {
+    wg[v] = lanes_of(a.wq, v0 + v, J * 192, 4);
+    scg[v] = lanes_of(a.sc, v0 + v, J * 16, 1);
+    s2g[v] = lanes_of(a.sc2, v0 + v, J * 16, 2);
+    dg[v] = lanes_of(a.d, v0 + v, S * 16, 1);
+    pf[v] = VecPos(v0 + v).lb == 0;
+  }
+  F acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = Vec::fzero();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t k0 = s * kSuper, B = std::min(kSuper, K - k0) / 32, W = 4 * B, j0 = k0 / 16;
+    I isum[MR][NV], msum[MR][NV];
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) { isum[r][v] = Vec::zero(); msum[r][v] = Vec::zero(); }
+    for (int64_t jj = 0; jj < 2 * B; ++jj) {   // 16-value sub-block jj: half jj % 2 of block jj / 2
+      const int64_t j = j0 + jj, b = jj / 2, h = jj % 2;
+      I scv[NV], lo[NV], hi[NV], hb[NV];
+      for (int v = 0; v < NV; ++v) {
+        scv[v] = Vec::scale_form(Vec::sc_s8(scg[v] + j * 16));
+        const uint8_t* p = wg[v] + j * 192;
+        if (pf[v]) prefetch_ahead(p, 3);
+        lo[v] = Vec::load(p);
+        hi[v] = Vec::load(p + 64);
+        hb[v] = Vec::load(p + 128);
+      }
+#if KERNEL_VNNI
+      I sub[MR][NV];
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) sub[r][v] = Vec::zero();
+      auto step = [&](auto T) {
+        constexpr int t = decltype(T)::value;
+        I u[NV];
+        for (int v = 0; v < NV; ++v) u[v] = Vec::six<t>(lo[v], hi[v], hb[v]);
+        for (int r = 0; r < MR; ++r) {
+          const I x = Vec::bcast(a.xq + (r0 + r) * K + k0 + (4 * h + t) * W + 4 * b);
+          for (int v = 0; v < NV; ++v) sub[r][v] = Vec::q4_dot(sub[r][v], u[v], x);
+        }
+      };
+      step(std::integral_constant<int, 0>{});
+      step(std::integral_constant<int, 1>{});
+      step(std::integral_constant<int, 2>{});
+      step(std::integral_constant<int, 3>{});
+      for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) isum[r][v] = Vec::add(isum[r][v], Vec::q4_finish(sub[r][v], scv[v]));
+#else
+      // a pair sum is at most 2 * 63 * 127 = 16,002: scaled per quad by vpmaddwd
+      auto step = [&](auto T) {
+        constexpr int t = decltype(T)::value;
+        I u[NV];
+        for (int v = 0; v < NV; ++v) u[v] = Vec::six<t>(lo[v], hi[v], hb[v]);
+        for (int r = 0; r < MR; ++r) {
+          const I x = Vec::bcast(a.xq + (r0 + r) * K + k0 + (4 * h + t) * W + 4 * b);
+          for (int v = 0; v < NV; ++v)
+            isum[r][v] = _mm256_add_epi32(isum[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(u[v], x), scv[v]));
+        }
+      };
+      step(std::integral_constant<int, 0>{});
+      step(std::integral_constant<int, 1>{});
+      step(std::integral_constant<int, 2>{});
+      step(std::integral_constant<int, 3>{});
+#endif
     }
+    for (int64_t p = 0; p < B; ++p) {   // 32 * sum_j sc[j] * (the activations' sum over sub-block j)
+      I sv[NV];
+      for (int v = 0; v < NV; ++v) sv[v] = Vec::load(s2g[v] + (k0 / 32 + p) * 32);
+      for (int r = 0; r < MR; ++r) {
+        const I bs = Vec::bcast(a.bs + (r0 + r) * J + j0 + 2 * p);
+        for (int v = 0; v < NV; ++v) msum[r][v] = Vec::mins(msum[r][v], sv[v], bs);
+      }
+    }
+    for (int r = 0; r < MR; ++r)
+      for (int v = 0; v < NV; ++v) isum[r][v] = Vec::isub(isum[r][v], Vec::shl5(msum[r][v]));
+    float_step<MR, NV>(acc, isum, dg, a.dx, r0, S, s);
   }
   store_tile<MR, NV>(acc, r0, v0, a.N, a.bias, a.out, a.ldo);
 }
@@ -584,6 +724,39 @@ void q8_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor wq, torch::Tens
 }
 
 
+// out[:, col0:col0+N] = the 6-bit weight (packed, N rows) applied to the quantized rows (+ bias).
+void q6_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor wq, torch::Tensor sc, torch::Tensor sc2,
+               torch::Tensor d, int64_t N, c10::optional<torch::Tensor> bias, torch::Tensor out, int64_t col0) {
+  const int64_t M = xq.size(0), K = xq.size(1), S = (K + kSuper - 1) / kSuper, G = (N + kGroupRows - 1) / kGroupRows;
+  TORCH_CHECK(K % 32 == 0 && xq.is_contiguous() && dx.is_contiguous() && dx.numel() == M * S,
+              "int6 activations do not match in_features ", K);
+  check_packed(wq, torch::kUInt8, G * K * 12, "int6 wq");
+  check_packed(sc, torch::kInt8, G * (K / 16) * 16, "int6 sc");
+  check_packed(sc2, torch::kInt16, G * (K / 16) * 16, "int6 sc2");
+  check_packed(d, torch::kFloat32, G * S * 16, "int6 d");
+  check_out(out, M, col0, N);
+  // each 16-value sub-block's activation sum (exact: |.| <= 16 * 127), from the kernel order
+  torch::Tensor bs = at::empty({M, K / 16}, xq.options().dtype(torch::kInt16));
+  {
+    const int8_t* x = xq.data_ptr<int8_t>();
+    int16_t* o = bs.data_ptr<int16_t>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t k0 = s * kSuper, B = std::min(kSuper, K - k0) / 32, W = 4 * B;
+        for (int64_t jj = 0; jj < 2 * B; ++jj) {
+          int32_t t = 0;
+          for (int64_t q = 4 * (jj % 2); q < 4 * (jj % 2) + 4; ++q)
+            for (int64_t i = 0; i < 4; ++i) t += x[m * K + k0 + q * W + 4 * (jj / 2) + i];
+          o[m * (K / 16) + k0 / 16 + jj] = static_cast<int16_t>(t);
+        }
+      }
+  }
+  const Q6Args a{M, N, K, S, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), bs.data_ptr<int16_t>(), wq.data_ptr<uint8_t>(),
+                 sc.data_ptr<int8_t>(), sc2.data_ptr<int16_t>(), d.data_ptr<float>(), bias_ptr(bias, N),
+                 out.data_ptr<float>() + col0, out.stride(0)};
+  for_each_tile(M, G, K, [&](auto R, auto NV, int64_t r, int64_t v) { q6_tile<decltype(R)::value, decltype(NV)::value>(a, r, v); });
+}
+
 // The machine's own int8 dot-product peak: `iterations` rounds of ten independent vpdpbusd chains
 // (the build's vector width; AVX2: vpmaddubsw + vpmaddwd + vpaddd per 4-way product) on every
 // thread. Returns the multiply-adds done (the caller times the call).
@@ -651,6 +824,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row, per-256 int8 activation quantization");
   m.def("q4_matmul", &q4_matmul, "int4 (k-quant, packed) weight x int8 activation matmul");
   m.def("q8_matmul", &q8_matmul, "int8 (k-quant, packed) weight x int8 activation matmul");
+  m.def("q6_matmul", &q6_matmul, "6-bit (Q6_K, packed) weight x int8 activation matmul");
   m.def("int8_dot_peak", &int8_dot_peak, "multiply-adds of a tight int8 dot-product loop on every thread");
   m.def("stream_read", &stream_read, "read a tensor on every thread (bandwidth probe)");
   m.def("tile_shapes", &tile_shapes, "vector lanes, the few- and many-row tiles (rows, vectors) and the many-row threshold");

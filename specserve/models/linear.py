@@ -118,6 +118,8 @@ class QuantizedLinear(nn.Module):
         for p, col0, bias in zip(self.packed, self.offsets, self._part_bias):
             if p.layout == "int4":
                 self._ops.q4_matmul(xq, dx, bsum, p.wq, p.sc, p.mn, p.d, p.dmin, p.n, bias, out, col0)
+            elif p.layout == "int6":
+                self._ops.q6_matmul(xq, dx, p.wq, p.sc, p.sc2, p.d, p.n, bias, out, col0)
             else:
                 self._ops.q8_matmul(xq, dx, p.wq, p.sc, p.corr, p.d, p.n, bias, out, col0)
         return out

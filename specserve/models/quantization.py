@@ -8,6 +8,9 @@ scale, and each superblock into sub-blocks with small integer scales:
   sub-blocks of 32 with 8-bit ``sc`` / ``mn``. A GGUF ``Q4_K`` tensor maps onto it exactly.
 - ``int8``: ``w = d[s] * sc[j] * q``, ``q`` in -127..127, sub-blocks of 16 with int8 ``sc``. A GGUF
   ``Q6_K`` tensor maps onto it exactly.
+- ``int6``: ``int8`` whose integers lie in -32..31: a GGUF ``Q6_K`` tensor, stored as int8 here and
+  packed to 6 bits for the kernels (:mod:`specserve.models.weight_packing`), so a forward reads the
+  file's bytes, not a widened copy. Same values and same results as the int8 layout holding them.
 
 Both store their integers in the kernels' order (:func:`kernel_order`: within a superblock, groups
 of four values transposed, so each 32-value block fills one int32 lane of a vector); scales, mins
@@ -54,10 +57,10 @@ class QuantizedTensor:
     """A ``[out_features, in_features]`` weight in the ``int4`` or ``int8`` layout.
 
     Attributes (N = out_features, K = in_features, S = ceil(K / 256)):
-        layout: ``"int4"`` or ``"int8"``.
-        qs: int4: uint8 ``[N, K / 2]``, two values per byte (:func:`pack_int4`); int8: int8
+        layout: ``"int4"``, ``"int8"`` or ``"int6"`` (int8 with values in -32..31).
+        qs: int4: uint8 ``[N, K / 2]``, two values per byte (:func:`pack_int4`); int8 / int6: int8
             ``[N, K]``; both in the kernels' column order (:func:`kernel_order`).
-        sc: int4: uint8 ``[N, K / 32]``; int8: int8 ``[N, K / 16]``.
+        sc: int4: uint8 ``[N, K / 32]``; int8 / int6: int8 ``[N, K / 16]``.
         mn: int4: uint8 ``[N, K / 32]`` sub-block mins; int8: None.
         d, dmin: float32 ``[N, S]`` superblock scales (``dmin`` int4 only).
         source: where the values came from (``"Q4_K"``, ``"float"``, ...), for reports.
@@ -86,7 +89,7 @@ class QuantizedTensor:
         dequantizer gives for Q4_K / Q6_K blocks; float64: the kernels' exact reference)."""
         n, k = self.shape
         sup = _expand_superblocks(self.d, k, dtype)  # [N, K]
-        if self.layout == "int8":
+        if self.layout != "int4":
             q = self.qs[:, natural_order(k)]
             return sup * self.sc.to(dtype).repeat_interleave(16, dim=1) * q.to(dtype)
         q = unpack_int4(self.qs).to(dtype)
@@ -115,8 +118,8 @@ class QuantizedTensor:
         if self.layout == "int4":
             return QuantizedTensor("int4", cut(self.qs, 2), cut(self.sc, 32), cut(self.mn, 32),
                                    self.d[:, s0:s1].contiguous(), self.dmin[:, s0:s1].contiguous(), self.source)
-        return QuantizedTensor("int8", cut(self.qs, 1), cut(self.sc, 16), None, self.d[:, s0:s1].contiguous(), None,
-                               self.source)
+        return QuantizedTensor(self.layout, cut(self.qs, 1), cut(self.sc, 16), None, self.d[:, s0:s1].contiguous(),
+                               None, self.source)
 
     @staticmethod
     def cat(parts: "list[QuantizedTensor]") -> "QuantizedTensor":
@@ -277,6 +280,8 @@ def layout_for(quantization: str, gguf_type: str, keep_file_precision: bool = Tr
         return None
     if quantization == "int8" or not keep_file_precision:
         return quantization
+    if gguf_type == "Q6_K":   # its own 6-bit integers: the file's bytes per weight
+        return "int6"
     return "int8" if gguf_type in _HIGH_PRECISION_GGUF - _FLOAT_GGUF else "int4"
 
 
@@ -284,9 +289,10 @@ def from_gguf(name: str, raw: np.ndarray, gguf_type: str, shape: tuple[int, int]
               dequantize) -> QuantizedTensor:
     """One GGUF weight (``raw``: its block bytes, ``[N, bytes per row]``) in ``layout``.
 
-    ``Q4_K`` -> int4 and ``Q6_K`` -> int8 copy the file's integers and scales (exact); any other
-    pair goes through the tensor's float values (``dequantize(raw, type) -> float32``), one tensor
-    at a time, so no float copy of the whole model is ever built.
+    ``Q4_K`` -> int4 and ``Q6_K`` -> int6 / int8 copy the file's integers and scales (exact); any
+    other pair goes through the tensor's float values (``dequantize(raw, type) -> float32``), one
+    tensor at a time, so no float copy of the whole model is ever built (int6 then falls back to
+    int8: only Q6_K blocks give 6-bit integers).
     """
     import gguf
 
@@ -306,16 +312,16 @@ def from_gguf(name: str, raw: np.ndarray, gguf_type: str, shape: tuple[int, int]
         return QuantizedTensor("int4", qs, t(sc, np.uint8), t(mn, np.uint8), t(d, np.float32),
                                t(dmin, np.float32), "Q4_K")
     values = dequantize(raw, getattr(gguf.GGMLQuantizationType, gguf_type)).reshape(n, k)
-    if gguf_type == "Q6_K" and layout == "int8" and k % SUPERBLOCK == 0:
+    if gguf_type == "Q6_K" and layout in ("int6", "int8") and k % SUPERBLOCK == 0:
         blocks = np.ascontiguousarray(raw).reshape(n * (k // SUPERBLOCK), 210)
         sc = blocks[:, 192:208].copy().view(np.int8).reshape(n, k // 16)
         d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32).reshape(n, -1)
         step = np.repeat(np.repeat(d, SUPERBLOCK // 16, axis=1) * sc, 16, axis=1)   # [N, K] float32
         q = np.where(step != 0, np.rint(values / np.where(step != 0, step, 1)), 0)
         qs = torch.from_numpy(q.astype(np.int8))[:, kernel_order(k)].contiguous()
-        return QuantizedTensor("int8", qs, torch.from_numpy(sc.copy()), None,
+        return QuantizedTensor(layout, qs, torch.from_numpy(sc.copy()), None,
                                torch.from_numpy(np.ascontiguousarray(d)), None, "Q6_K")
-    qt = quantize(torch.from_numpy(np.ascontiguousarray(values)), layout, name)
+    qt = quantize(torch.from_numpy(np.ascontiguousarray(values)), "int8" if layout == "int6" else layout, name)
     qt.source = gguf_type
     return qt
 

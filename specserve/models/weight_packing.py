@@ -24,6 +24,13 @@ ceil(K / 256) superblocks):
   ``corr`` int32 ``[G, S, 16]`` = ``-128 * sum_j sc[j] * (sum of sub-block j's integers)`` per
   superblock (the VNNI kernel feeds the activations offset by 128 as unsigned bytes and takes the
   offset's share off again).
+- ``int6`` (Q6_K's integers, u = q + 32 in 0..63): ``wq`` uint8 ``[G, K / 16, 192]``: per 16-value
+  sub-block j, 128 bytes of nibbles (64-byte block c, byte ``4w + i``: the low four bits of value
+  ``16j + 8c + i`` in the low nibble, of value ``16j + 8c + 4 + i`` in the high one), then 64 bytes
+  of top bits (byte ``4w + i``, bits ``2t..2t+1``: value ``16j + 4t + i``'s top two): 0.75 bytes a
+  weight, the file's own; ``sc`` as int8; ``sc2`` int16 ``[G, K / 32, 16, 2]`` (the scales of
+  sub-blocks 2p and 2p + 1 side by side, for the ``-32 * sum_j sc[j] * sum(x)`` correction);
+  ``d`` as int8.
 """
 from __future__ import annotations
 
@@ -60,7 +67,7 @@ class PackedWeight:
     Attributes:
         layout: ``"int4"`` or ``"int8"``; n, k: out_features, in_features.
         wq, sc, d: the integers, sub-block scales and superblock scales; mn, dmin (int4) the mins;
-            corr (int8) the offset correction.
+            corr (int8) the offset correction; sc2 (int6) the scales in pairs.
         source: where the values came from (``"Q4_K"``, ``"float"``, ...), for reports.
     """
 
@@ -73,6 +80,7 @@ class PackedWeight:
     mn: torch.Tensor | None = None
     dmin: torch.Tensor | None = None
     corr: torch.Tensor | None = None
+    sc2: torch.Tensor | None = None
     source: str = "float"
 
     @property
@@ -82,8 +90,8 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes one forward reads (padding rows included)."""
-        return sum(t.numel() * t.element_size() for t in (self.wq, self.sc, self.d, self.mn, self.dmin, self.corr)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.sc, self.d, self.mn, self.dmin, self.corr,
+                                                          self.sc2) if t is not None)
 
     @staticmethod
     def pack(qt: QuantizedTensor) -> "PackedWeight":
@@ -98,6 +106,17 @@ class PackedWeight:
             return PackedWeight("int4", n, k, wq, _lanes_last(qt.sc, g), _lanes_last(qt.d, g), mn=mn,
                                 dmin=_lanes_last(qt.dmin, g), source=qt.source)
         q = qt.qs[:, natural_order(k)]                                                   # [N, K] column order
+        if qt.layout == "int6":
+            if q.min() < -32 or q.max() > 31:
+                raise ValueError("an int6 weight holds integers outside -32..31")
+            u = _grouped((q + 32).to(torch.uint8), g).view(g, GROUP_ROWS, k // 16, 4, 4)
+            u = u.permute(0, 2, 3, 1, 4)                                                 # [G, j, t, w, i]
+            nib = (u[:, :, 0::2] & 0x0F) | ((u[:, :, 1::2] & 0x0F) << 4)                # [G, j, c, w, i]
+            top = sum((u[:, :, t] >> 4) << (2 * t) for t in range(4)).to(torch.uint8)   # [G, j, w, i]
+            wq = torch.cat([nib.reshape(g, k // 16, 128), top.reshape(g, k // 16, 64)], dim=2).contiguous()
+            sc2 = _grouped(qt.sc.to(torch.int16), g).view(g, GROUP_ROWS, k // 32, 2).permute(0, 2, 1, 3).contiguous()
+            return PackedWeight("int6", n, k, wq, _lanes_last(qt.sc, g), _lanes_last(qt.d, g), sc2=sc2,
+                                source=qt.source)
         wq = _grouped(q, g).view(g, GROUP_ROWS, k // 16, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
         # the offset correction per superblock, exact in int64 and well inside int32 (< 2^30)
         sums = q.view(n, k // 16, 16).sum(-1, dtype=torch.int64) * qt.sc.to(torch.int64)   # [N, K/16]
@@ -119,6 +138,15 @@ class PackedWeight:
             mn = self.mn.permute(0, 2, 1, 3).reshape(g * GROUP_ROWS, k // 32)[:n].to(torch.uint8).contiguous()
             return QuantizedTensor("int4", pack_int4(q), _rows_first(self.sc, n), mn, _rows_first(self.d, n),
                                    _rows_first(self.dmin, n), self.source)
-        q = self.wq.permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
-        return QuantizedTensor("int8", q[:, kernel_order(k)].contiguous(), _rows_first(self.sc, n), None,
+        if self.layout == "int6":
+            g = self.wq.shape[0]
+            nib = self.wq[:, :, :128].reshape(g, k // 16, 2, GROUP_ROWS, 4)
+            top = self.wq[:, :, 128:].reshape(g, k // 16, GROUP_ROWS, 4)
+            low = torch.stack([nib & 0x0F, nib >> 4], dim=3).reshape(g, k // 16, 4, GROUP_ROWS, 4)
+            high = torch.stack([(top >> (2 * t)) & 3 for t in range(4)], dim=2)           # [G, j, t, w, i]
+            u = (low | (high << 4)).to(torch.int16) - 32
+            q = u.to(torch.int8).permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
+        else:
+            q = self.wq.permute(0, 3, 1, 2, 4).reshape(-1, k)[:n]
+        return QuantizedTensor(self.layout, q[:, kernel_order(k)].contiguous(), _rows_first(self.sc, n), None,
                                _rows_first(self.d, n), None, self.source)
