@@ -113,6 +113,7 @@ struct Vec {
   }
   static I q4_dot(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I q4_finish(I sub, I sc) { return _mm512_mullo_epi32(sub, sc); }
+  static I q4_merge(I a, I b) { return _mm512_add_epi32(a, b); }
   static I q8_dot(I acc, I xu, I w) { return _mm512_dpbusd_epi32(acc, xu, w); }
   static I mins(I acc, I mn, I bs) { return _mm512_dpwssd_epi32(acc, mn, bs); }
   // quad t (0..3) of a 6-bit sub-block: the low nibbles of lo (t = 0, 1) or hi (t = 2, 3), the two
@@ -159,6 +160,7 @@ struct Vec {
   static I scale_form(I sc) { return sc; }
   static I q4_dot(I acc, I w, I x) { return _mm256_dpbusd_epi32(acc, w, x); }
   static I q4_finish(I sub, I sc) { return _mm256_mullo_epi32(sub, sc); }
+  static I q4_merge(I a, I b) { return _mm256_add_epi32(a, b); }
   static I q8_dot(I acc, I xu, I w) { return _mm256_dpbusd_epi32(acc, xu, w); }
   static I mins(I acc, I mn, I bs) { return _mm256_dpwssd_epi32(acc, mn, bs); }
 #else
@@ -168,6 +170,7 @@ struct Vec {
   }
   static I q4_dot(I acc, I w, I x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
   static I q4_finish(I sub, I sc16) { return _mm256_madd_epi16(sub, sc16); }
+  static I q4_merge(I a, I b) { return _mm256_add_epi16(a, b); }   // two int16 halves of one sub-block sum
   static I mins(I acc, I mn, I bs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(mn, bs)); }
 #endif
   template <int T>
@@ -312,8 +315,16 @@ inline void q4_tile(const Q4Args& a, int64_t r0, int64_t v0) {
         scv[v] = Vec::scale_form(Vec::sc_u8(scg[v] + j * 16));
         if (pf[v]) prefetch_ahead(wg[v] + j * 256, 4);
       }
+      // Small tiles (one or two rows: decode, k = 1 verifies) have few independent dot-product
+      // chains; the low and high nibbles then go to separate accumulators, summed after the
+      // sub-block (the same integers).
+      constexpr bool kSplit = MR * NV <= 2;
+      I sub2[kSplit ? MR : 1][kSplit ? NV : 1];
       for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) sub[r][v] = Vec::zero();
+        for (int v = 0; v < NV; ++v) {
+          sub[r][v] = Vec::zero();
+          if constexpr (kSplit) sub2[r][v] = Vec::zero();
+        }
 #pragma GCC unroll 4
       for (int64_t c = 0; c < 4; ++c) {
         I lo[NV], hi[NV];
@@ -323,12 +334,16 @@ inline void q4_tile(const Q4Args& a, int64_t r0, int64_t v0) {
           const I xa = Vec::bcast(xr + 2 * c * W), xb = Vec::bcast(xr + (2 * c + 1) * W);
           for (int v = 0; v < NV; ++v) {
             sub[r][v] = Vec::q4_dot(sub[r][v], lo[v], xa);
-            sub[r][v] = Vec::q4_dot(sub[r][v], hi[v], xb);
+            if constexpr (kSplit) sub2[r][v] = Vec::q4_dot(sub2[r][v], hi[v], xb);
+            else sub[r][v] = Vec::q4_dot(sub[r][v], hi[v], xb);
           }
         }
       }
       for (int r = 0; r < MR; ++r)
-        for (int v = 0; v < NV; ++v) isum[r][v] = Vec::add(isum[r][v], Vec::q4_finish(sub[r][v], scv[v]));
+        for (int v = 0; v < NV; ++v) {
+          if constexpr (kSplit) sub[r][v] = Vec::q4_merge(sub[r][v], sub2[r][v]);
+          isum[r][v] = Vec::add(isum[r][v], Vec::q4_finish(sub[r][v], scv[v]));
+        }
     }
     for (int64_t p = 0; p < B / 2; ++p) {   // the mins times the activations' sub-block sums
       I mv[NV];

@@ -13,6 +13,10 @@ logits do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
+import logging
+import sys
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +26,8 @@ from specserve.attention.cpu_backend import CpuAttentionBackend
 from specserve.config import ModelConfig
 from specserve.models.linear import make_linear
 from specserve.models.quantization import check_quantization
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,15 +145,27 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_pos)
         self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
         self.quantization = quantization = check_quantization(quantization)
+        t0 = time.perf_counter()
+        layers = range(config.num_hidden_layers)
+        if quantization != "none":   # each quantized linear is repacked for the kernels (weight_packing)
+            from tqdm import tqdm
+
+            layers = tqdm(layers, desc=f"packing {quantization} layers", unit="layer", leave=False,
+                          disable=not sys.stderr.isatty())
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, quantization, tp)
-            for i in range(config.num_hidden_layers))
+            DecoderLayer(config, weights, f"model.layers.{i}.", self.rotary, quantization, tp) for i in layers)
         self.norm = nn.Parameter(weights["model.norm.weight"], requires_grad=False)
         # A tied model's head may come quantized from the embedding's own blocks (the loader's).
         head = weights.get("lm_head.weight")
         if head is None:
             head = weights["model.embed_tokens.weight"]
         self.lm_head = make_linear([head], None, quantization, "lm_head.weight")
+        if quantization != "none":
+            from specserve.models.linear import QuantizedLinear
+
+            packed = [m for m in self.modules() if isinstance(m, QuantizedLinear)]
+            logger.info("packed %d %s linears for the kernels in %.1f s: %.1f MB (16-row groups, padding included)",
+                        len(packed), quantization, time.perf_counter() - t0, sum(m.nbytes for m in packed) / 1e6)
         # EAGLE-3 heads read low / middle / high layers too (set by the engine from the proposer)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
 
