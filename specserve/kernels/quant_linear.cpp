@@ -554,6 +554,8 @@ inline void q6_tile(const Q6Args& a, int64_t r0, int64_t v0) {
 // compute-bound: two vectors per tile, so each activation broadcast serves both (a 2-vector tile
 // measured 1.07-1.1x faster at 64 rows). A tile holds 2 * MR * NV integer accumulators in
 // registers. The shape never changes a value (each output gets the same operations).
+// One or two rows (decode, k = 1 verifies) take a whole group per tile on 256-bit builds too (two
+// vectors of 8 rows: half-group tiles measured 1.15-1.25x slower at one row on a Zen 5).
 #ifndef SPECSERVE_TILES   // few rows, vectors; many rows, vectors; kManyRows
 #if KERNEL_ZMM || KERNEL_VNNI   // 32 vector registers
 #define SPECSERVE_TILES 12, 1, 6, 2, 24
@@ -562,6 +564,7 @@ inline void q6_tile(const Q6Args& a, int64_t r0, int64_t v0) {
 #endif
 #endif
 constexpr int kTiles[5] = {SPECSERVE_TILES};
+constexpr int kTinyRows = 2, kTinyVecs = kHalves;
 constexpr int kFewRows = kTiles[0], kFewVecs = kTiles[1];
 constexpr int kManyRowsTile = kTiles[2], kManyVecs = kTiles[3];
 constexpr int64_t kManyRows = kTiles[4];
@@ -603,7 +606,8 @@ void for_each_tile(int64_t M, int64_t G, int64_t K, F&& f) {
     const int64_t vb = gb * kHalves, ve = ge * kHalves;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int64_t m1 = std::min(M, m0 + block), rows = m1 - m0;
-      if (rows <= kManyRows) vector_tiles<kFewVecs, kFewRows>(vb, ve, m0, m1, f);
+      if (rows <= kTinyRows) vector_tiles<kTinyVecs, kTinyRows>(vb, ve, m0, m1, f);
+      else if (rows <= kManyRows) vector_tiles<kFewVecs, kFewRows>(vb, ve, m0, m1, f);
       else vector_tiles<kManyVecs, kManyRowsTile>(vb, ve, m0, m1, f);
     }
   });
