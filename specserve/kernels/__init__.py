@@ -63,7 +63,7 @@ def cpu_has_vnni() -> bool:
 def cpu_runs_512bit_at_full_width() -> bool:
     """Whether the kernels should run on 512-bit vectors (16 weight rows per vector instead of 8).
     Intel's AVX-512 CPUs and AMD's Zen 5 (family 26) execute them at full width (on a Zen 5 the
-    512-bit build ran 1.1-1.7x the 256-bit one at 1-8 rows); Zen 4 (family 25) splits each into two
+    512-bit build ran 1.1-1.6x the 256-bit one at 1-8 rows); Zen 4 (family 25) splits each into two
     256-bit halves (docs/history/kernels-before-packing.md, "512-bit int4 superblocks on Intel
     AVX-512")."""
     vendor, flags = _cpu_info()
