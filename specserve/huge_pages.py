@@ -6,7 +6,7 @@ grew). A step's large tensors (logits of 4 x 512 tokens by the draft vocabulary,
 and their gradients) are then mapped anew every step and faulted in page by page: with 4 KiB pages
 that cost the EAGLE-3 head of the int4 1.5B target a third of its CPU time in the kernel. PyTorch's
 CPU allocator can align tensors of 2 MiB and more to 2 MiB and ``madvise(MADV_HUGEPAGE)`` them
-(``THP_MEM_ALLOC_ENABLE``), one fault per 2 MiB instead of 512. Measured (BENCHMARKS.md, piece 10,
+(``THP_MEM_ALLOC_ENABLE``), one fault per 2 MiB instead of 512. Measured (docs/history/benchmarks-before-packing.md, piece 10,
 a kernel with transparent huge pages in ``madvise`` mode): 43.5 M -> 8.8 M faults and 7.88 -> 5.54 s
 a step, the same losses bit for bit, the same peak memory; engine decoding moved less than that
 machine's run-to-run spread. Where the kernel's mode is ``always`` the allocations get huge pages

@@ -307,7 +307,7 @@ def return_freed_memory_to_the_os(threshold: int = 64 * 1024) -> bool:
 
     Why: by default glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB),
     after which a training step's activations of a few MiB come from the heap, whose free pieces of
-    varying sizes it never returns. The 500k-token run of BENCHMARKS.md ("Piece 4") grew to 21.8 GB
+    varying sizes it never returns. The 500k-token run of docs/history/benchmarks-before-packing.md ("Piece 4") grew to 21.8 GB
     resident by step 600 without this. The setting is process-wide (it stays after training).
 
     Returns:
