@@ -22,6 +22,15 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # drafts for DEFAULT_MODEL (same 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 2  # best k measured by `specserve bench` (BENCHMARKS.md)
 DEFAULT_QUANTIZATION = "int4"  # the command line's: the fastest mode whose quality holds (BENCHMARKS.md)
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
+    """The KV cache's dtype name for ``kv_cache_dtype`` (``auto``: float16 for a float32 model on the
+    CPU, else the model's ``dtype``)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "float16" if dtype == "float32" and str(device).startswith("cpu") else dtype
 
 
 @dataclass
@@ -147,6 +156,9 @@ class SpeculativeConfig:
             (EAGLE-1's default 25-node tree); None: a dynamic tree.
         eagle_topk / num_draft_tokens: ``"eagle"`` dynamic trees: children per expanded node and
             nodes expanded per level; nodes kept for verification (EAGLE-2's top-k and total tokens).
+        draft_vocab_size: ``"draft_model"`` only: the draft scores only this many of the corpus's
+            most frequent tokens (FR-Spec; :mod:`specserve.spec_decode.draft_vocab`), so its lm_head
+            reads that many rows; None: the whole vocabulary. Output stays exact either way.
     """
 
     method: str = SpeculativeMethod.DRAFT_MODEL
@@ -159,6 +171,7 @@ class SpeculativeConfig:
     speculative_token_tree: Any = None
     eagle_topk: int = 4
     num_draft_tokens: int = 12
+    draft_vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:  # str-enum members compare equal to their names
@@ -172,6 +185,11 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.draft_vocab_size is not None:
+            if self.method != SpeculativeMethod.DRAFT_MODEL:
+                raise ValueError(f"draft_vocab_size is for method 'draft_model', not {str(getattr(self.method, 'value', self.method))!r}")
+            if not isinstance(self.draft_vocab_size, int) or isinstance(self.draft_vocab_size, bool) or self.draft_vocab_size < 2:
+                raise ValueError(f"draft_vocab_size must be an integer >= 2, got {self.draft_vocab_size!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -233,7 +251,10 @@ class EngineArgs:
     whole on rank 0); ``distributed_timeout_s`` bounds how long a step waits for a rank.
     ``enable_prefix_caching`` (vLLM's name, on by default as there): requests reuse the cached
     pages of a prompt prefix seen before, the target's and the draft's / head's entries alike
-    (:mod:`specserve.kv_cache.block_manager`).
+    (:mod:`specserve.kv_cache.block_manager`). ``kv_cache_dtype`` (vLLM's name): the paged KV
+    cache's element type for the target and a draft model, ``float32``, ``float16`` or ``bfloat16``;
+    ``auto`` (default): float16 for a float32 model on the CPU (half the bytes a step reads; its
+    quality against float32 entries is in BENCHMARKS.md), else the model's dtype.
 
     Raises:
         ValueError: a bad value, named (dtype, quantization with a non-float32 dtype or a non-CPU
@@ -256,6 +277,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 60.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         from specserve.models.quantization import check_quantization
@@ -279,6 +301,8 @@ class EngineArgs:
             if self.device != "cpu":
                 raise ValueError(f"quantization {self.quantization!r} has CPU kernels only; "
                                  f"device {self.device!r} has none (use quantization 'none')")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         # checked here, before any weights load, not after

@@ -143,8 +143,12 @@ def test_bench_methods_bad_input(tiny_qwen2_dir, capsys):
     assert "--adaptive applies to --methods only" in capsys.readouterr().err
 
 
-def test_quality_teacher_forcing_matches_transformers(tiny_bench_model):
-    """`bench --quality`'s argmax and perplexity equal transformers' on the same float weights."""
+@pytest.mark.parametrize("kv_cache_dtype,rel_tol,min_agreement",
+                         [("float32", 1e-4, 1.0), ("float16", 1e-3, 1.0), ("bfloat16", 1e-2, 0.95)])
+def test_quality_teacher_forcing_matches_transformers(tiny_bench_model, kv_cache_dtype, rel_tol, min_agreement):
+    """`bench --quality`'s argmax and perplexity equal transformers' on the same float weights (a
+    16-bit KV cache rounds keys and values to 11 (float16) or 8 (bfloat16) significant bits: looser
+    bounds, and bfloat16 may flip a near tie of this random model's logits)."""
     import math
 
     import torch
@@ -155,7 +159,8 @@ def test_quality_teacher_forcing_matches_transformers(tiny_bench_model):
 
     g = torch.Generator().manual_seed(0)
     segments = [torch.randint(3, 290, (n,), generator=g).tolist() for n in (40, 17, 2)]
-    out = teacher_forced(LLMEngine(EngineArgs(model=tiny_bench_model)), segments, logits_chunk=7)
+    out = teacher_forced(LLMEngine(EngineArgs(model=tiny_bench_model, kv_cache_dtype=kv_cache_dtype)), segments,
+                         logits_chunk=7)
     hf = AutoModelForCausalLM.from_pretrained(tiny_bench_model).eval()
     argmax, nll, n = [], 0.0, 0
     with torch.no_grad():
@@ -165,5 +170,5 @@ def test_quality_teacher_forcing_matches_transformers(tiny_bench_model):
             nll -= float(logp.gather(1, torch.tensor(seg[1:])[:, None]).sum())
             n += len(seg) - 1
     assert out["num_tokens"] == n == 56
-    assert agreement_rate(out["argmax"], argmax) == 1.0
-    assert math.isclose(out["perplexity"], math.exp(nll / n), rel_tol=1e-4)
+    assert agreement_rate(out["argmax"], argmax) >= min_agreement
+    assert math.isclose(out["perplexity"], math.exp(nll / n), rel_tol=rel_tol)

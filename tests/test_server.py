@@ -218,7 +218,8 @@ def test_seed_reproducible_and_matches_offline(smollm2, tp):
         others = {c.completions.create(seed=s_, **kw).choices[0].text for s_ in (1, 2, 3)}
         assert a == b
         assert len(others | {a}) > 1
-        spec = {"method": "draft_model", "model": NAME, "num_speculative_tokens": K, "adaptive": False}
+        spec = {"method": "draft_model", "model": NAME, "num_speculative_tokens": K, "adaptive": False,
+                "draft_quantization": DRAFT_QUANTIZATION}   # the server's draft: sampling depends on its q
         with LLM(NAME, loaded=smollm2[0], loaded_draft=smollm2[1], max_model_len=MAX_LEN, speculative_config=spec,
                  tensor_parallel_size=tp, kv_cache_memory_gb=KV_GB) as llm:
             want = llm.generate([PROMPTS[5]], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=123))

@@ -124,12 +124,18 @@ def test_step_message_round_trip():
 
 
 # ---------------------------------------------------------------------- logits
+# TP = 1 and 2 add the partial sums of o_proj and down_proj in different orders; float32 KV entries
+# keep those float32-rounding differences as they are, where a 16-bit cache rounds them to its own
+# resolution (2^-11 relative), so the comparisons with TP = 1 run on float32 entries.
+KV32 = "float32"
+
+
 @requires_smollm2
 def test_tp2_logits_match_tp1_on_smollm2():
     """Real weights with uneven KV groups (3 KV heads: 1 and 2 per rank)."""
     seqs = [p["prompt_token_ids"] for p in prompts([1, 5, 17, 40], vocab=49000)]
-    ref = forward_logits(LLM("smollm2-135m-instruct"), seqs)
-    with LLM("smollm2-135m-instruct", tensor_parallel_size=2) as llm:
+    ref = forward_logits(LLM("smollm2-135m-instruct", kv_cache_dtype=KV32), seqs)
+    with LLM("smollm2-135m-instruct", tensor_parallel_size=2, kv_cache_dtype=KV32) as llm:
         got = forward_logits(llm, seqs)
     assert_logits_close(got, ref)
     assert torch.equal(got.argmax(1), ref.argmax(1))
@@ -137,8 +143,8 @@ def test_tp2_logits_match_tp1_on_smollm2():
 
 def test_tp2_logits_match_tp1_and_rows_do_not_depend_on_the_batch(wide_dir):
     seqs = [p["prompt_token_ids"] for p in prompts([1, 5, 17, 40])]
-    ref = forward_logits(LLM(wide_dir), seqs)
-    with LLM(wide_dir, tensor_parallel_size=2) as llm:
+    ref = forward_logits(LLM(wide_dir, kv_cache_dtype=KV32), seqs)
+    with LLM(wide_dir, tensor_parallel_size=2, kv_cache_dtype=KV32) as llm:
         got = forward_logits(llm, seqs)
         assert_logits_close(got, ref)
         start = 0
@@ -350,12 +356,13 @@ def test_an_interrupted_step_fails_the_engine_at_once(wide_dir):
     pair the wrong collectives or wait out the timeout."""
     llm = LLM(wide_dir, tensor_parallel_size=2, distributed_timeout_s=30)
     layer = llm.llm_engine.model.layers[1]
-    original = layer.forward
+    name = "forward_fused" if llm.llm_engine.model.fused else "forward"   # the one the model calls
+    original = getattr(layer, name)
 
     def boom(*a, **kw):
-        layer.forward = original
+        setattr(layer, name, original)
         raise KeyboardInterrupt
-    layer.forward = boom
+    setattr(layer, name, boom)
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[5, 6, 7]], GREEDY)
     assert "interrupted" in llm.llm_engine.health()
@@ -388,10 +395,11 @@ def test_teacher_forcing_at_tp2(wide_dir):
     from specserve.benchmarks.quality import teacher_forced
 
     segs = [p["prompt_token_ids"] for p in prompts([12, 30])]
-    ref = teacher_forced(LLM(wide_dir).llm_engine, segs)
-    with LLM(wide_dir, tensor_parallel_size=2) as llm:
+    ref = teacher_forced(LLM(wide_dir, kv_cache_dtype=KV32).llm_engine, segs)
+    with LLM(wide_dir, tensor_parallel_size=2, kv_cache_dtype=KV32) as llm:
         got = teacher_forced(llm.llm_engine, segs)
-    assert got["argmax"] == ref["argmax"] and got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-5)
+    # this random model's perplexity is ~exp(68): rel 1e-4 is the mean NLL within 1e-4 (1.5e-6 relative)
+    assert got["argmax"] == ref["argmax"] and got["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-4)
 
 
 def test_keepalive_messages_keep_the_ranks_in_step(wide_dir):

@@ -28,7 +28,7 @@ def _settings(llm, **kw):
 @pytest.fixture(scope="module")
 def tiny_data(tiny_qwen2_dir, tmp_path_factory):
     """Hidden states of the tiny Qwen2 target over ~12k tokens of standard-library source."""
-    llm = LLM(tiny_qwen2_dir)
+    llm = LLM(tiny_qwen2_dir, kv_cache_dtype="float32")   # float32 entries: checked against float32 transformers
     docs = list(stdlib_documents(llm.get_tokenizer(), max_tokens=12000))
     out = tmp_path_factory.mktemp("hidden")
     precompute_hidden_states(llm.llm_engine, docs, out, _settings(llm, seq_len=128, top_k=8, shard_tokens=3000,

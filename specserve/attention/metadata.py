@@ -8,7 +8,7 @@ slot mappings name pages, never tensors of one model, so target and draft share 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,8 +37,6 @@ class AttentionMetadata:
             verification: ``block_len = query_len``; a draft head growing a tree level by level
             also sees its earlier levels). None means causal among the new tokens.
         block_size: tokens per page.
-        backend_cache: what a backend derives from this metadata once per step and reuses in every
-            layer (the CPU kernel's per-row index tensors).
     """
 
     query_start_loc: list[int]
@@ -48,7 +46,6 @@ class AttentionMetadata:
     kv_slot_ids: list[torch.Tensor]
     block_size: int
     tree_masks: list[torch.Tensor | None] | None = None
-    backend_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

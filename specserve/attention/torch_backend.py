@@ -35,8 +35,8 @@ class TorchAttentionBackend:
         flat ``[num_slots, Hkv, D]`` views."""
         flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = value_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, md.slot_mapping, key)
-        flat_v.index_copy_(0, md.slot_mapping, value)
+        flat_k.index_copy_(0, md.slot_mapping, key.to(flat_k.dtype))   # rounded to a 16-bit cache
+        flat_v.index_copy_(0, md.slot_mapping, value.to(flat_v.dtype))
         return flat_k, flat_v
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -49,8 +49,8 @@ class TorchAttentionBackend:
             q0, q1 = starts[b], starts[b + 1]
             num_new = q1 - q0
             context_len = md.seq_lens[b] - num_new
-            keys = flat_k.index_select(0, md.kv_slot_ids[b])  # [L, Hkv, D], position order
-            values = flat_v.index_select(0, md.kv_slot_ids[b])
+            keys = flat_k.index_select(0, md.kv_slot_ids[b]).to(query.dtype)  # [L, Hkv, D], position order
+            values = flat_v.index_select(0, md.kv_slot_ids[b]).to(query.dtype)
             tree = md.tree_masks[b] if md.tree_masks is not None else None
             if tree is not None:
                 block_start = md.seq_lens[b] - tree.shape[1]   # the context before the draft block

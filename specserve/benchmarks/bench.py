@@ -64,6 +64,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "--quantization (none, int8, int4) on --quality-tokens tokens of HumanEval solutions and "
                         "Spec-Bench questions (and llama.cpp's with --peers llama.cpp)")
     p.add_argument("--quality-tokens", type=int, default=4000, help="tokens of the --quality text (default: %(default)s)")
+    p.add_argument("--quality-kv-contexts", default="128,1024,4096",
+                   help="--quality: also each --kv-cache-dtype (float32, float16, bfloat16) of the --quantization "
+                        "target against float32 KV entries, on segments of these lengths (two each); '' skips "
+                        "(default: %(default)s)")
     p.add_argument("--spec-ks", default="2,3,4",
                    help="with a draft (--speculative-model, or the default pair): k values to measure "
                         "speculation at, in the same run (default: %(default)s)")
@@ -497,6 +501,13 @@ def render_markdown(result: dict) -> str:
         for r in q["rows"]:
             lines.append(f"| {r['quantization']} | {_fmt(100 * r['top1_agreement'], 2)}% | {_fmt(r['perplexity'], 3)} "
                          f"| {_fmt(r.get('linear_gb'), 3)} GB |")
+        if q.get("kv_cache"):
+            lines += ["", "KV-cache entries against float32 entries (same weights), two segments of each length:", "",
+                      "| segment length | KV cache | top-1 agreement with float32 KV | perplexity | float32 KV perplexity |",
+                      "| --- | --- | --- | --- | --- |"]
+            for r in q["kv_cache"]:
+                lines.append(f"| {r['segment_len']} | {r['kv_cache_dtype']} | {_fmt(100 * r['top1_agreement'], 2)}% "
+                             f"| {_fmt(r['perplexity'], 4)} | {_fmt(r['reference_perplexity'], 4)} |")
     vk = result["vk"]
     lines += ["", f"V(k) = t(k+1 tokens) / t(1 token), target forward + logits, context {vk['context_len']}, "
               f"median of {vk['repeats']} paired repeats; t(1 token) median {vk['t1_ms_median']:.1f} ms", "",
@@ -523,8 +534,8 @@ def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
     from specserve.models.linear import BatchInvariantLinear, QuantizedLinear
 
     rows, reference, segments = [], None, None
-    for quantization in ("none", "int8", "int4"):
-        engine = LLMEngine(_engine_args(args, None, quantization=quantization))
+    for quantization in ("none", "int8", "int4"):   # float32 KV entries: the weights' effect alone
+        engine = LLMEngine(_engine_args(args, None, quantization=quantization, kv_cache_dtype="float32"))
         if segments is None:
             segments = quality_segments(engine.tokenizer, args.quality_tokens)
         print(f"quality: {quantization}", file=sys.stderr)
@@ -542,7 +553,33 @@ def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
         rows.append({"quantization": "llama.cpp (its own GGUF kernels)",
                      "top1_agreement": agreement_rate(lc["argmax"], reference), "perplexity": lc["perplexity"]})
     return {"num_tokens": sum(len(s) - 1 for s in segments), "segment_len": len(segments[0]),
-            "text": "HumanEval canonical solutions + Spec-Bench questions", "rows": rows}
+            "text": "HumanEval canonical solutions + Spec-Bench questions", "rows": rows,
+            "kv_cache": bench_kv_quality(args)}
+
+
+def bench_kv_quality(args: argparse.Namespace) -> list[dict]:
+    """Each KV-cache dtype of the ``--quantization`` target against float32 entries: top-1 agreement
+    and perplexity on two segments of each ``--quality-kv-contexts`` length (every position of a
+    segment: contexts 0 .. length - 1)."""
+    from specserve.benchmarks.quality import agreement_rate, quality_segments, teacher_forced
+    from specserve.engine.engine import LLMEngine
+
+    lengths = [int(x) for x in args.quality_kv_contexts.split(",") if x.strip()]
+    rows = []
+    for length in lengths:
+        reference = None
+        for kv in ("float32", "float16", "bfloat16"):
+            engine = LLMEngine(_engine_args(args, None, kv_cache_dtype=kv, max_model_len=max(length + 16, 256)))
+            segments = quality_segments(engine.tokenizer, 2 * length, length)
+            print(f"quality: KV {kv}, segments of {length}", file=sys.stderr)
+            out = teacher_forced(engine, segments)
+            reference = reference or out
+            rows.append({"segment_len": length, "kv_cache_dtype": kv, "quantization": args.quantization,
+                         "top1_agreement": agreement_rate(out["argmax"], reference["argmax"]),
+                         "perplexity": out["perplexity"], "reference_perplexity": reference["perplexity"]})
+            del engine
+            gc.collect()
+    return rows
 
 
 def write_plot(result: dict, path: str) -> str | None:

@@ -86,7 +86,7 @@ def _worker_main(rank: int, world_size: int, port: int, timeout_s: float, thread
 
 
 def build_rank(group: TensorParallelGroup, config, weights: dict, shard, quantization: str, num_blocks: int,
-               block_size: int, dtype: torch.dtype, device: torch.device):
+               block_size: int, dtype: torch.dtype, device: torch.device, kv_dtype: torch.dtype | None = None):
     """This rank's model (from its ``weights`` shard) and KV cache (its KV heads)."""
     from specserve.kv_cache.kv_cache import KVCache
     from specserve.models.llama import LlamaForCausalLM
@@ -95,7 +95,7 @@ def build_rank(group: TensorParallelGroup, config, weights: dict, shard, quantiz
     group.shard = shard
     model = LlamaForCausalLM(config, to_device(weights, device, dtype), quantization, tp=group).eval()
     kv_cache = KVCache(config.num_hidden_layers, num_blocks, block_size, shard.num_kv_heads, config.head_dim,
-                       dtype, device)
+                       kv_dtype or dtype, device)
     return model, kv_cache
 
 

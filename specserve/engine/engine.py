@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from specserve.config import DEFAULT_MODEL, DTYPES, EngineArgs, SchedulerConfig
+from specserve.config import DEFAULT_MODEL, DTYPES, EngineArgs, SchedulerConfig, resolve_kv_cache_dtype
 from specserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler
@@ -77,6 +77,7 @@ class LLMEngine:
 
     def _build(self, args: EngineArgs, loaded: LoadedModel | None, loaded_draft: LoadedModel | None) -> None:
         dtype = TORCH_DTYPES[args.dtype]
+        kv_dtype = TORCH_DTYPES[resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype, args.device)]
         torch.manual_seed(args.seed)
         loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype, quantization=args.quantization)
         self.load_stats = loaded.load_stats
@@ -97,7 +98,7 @@ class LLMEngine:
         if args.num_blocks is None:
             # the memory budget, but never more pages than max_num_seqs full-length sequences use
             by_memory = KVCache.num_blocks_for_memory(int(args.kv_cache_memory_gb * 2**30), cfg.num_hidden_layers,
-                                                      args.block_size, kv_heads, cfg.head_dim, dtype)
+                                                      args.block_size, kv_heads, cfg.head_dim, kv_dtype)
             by_use = args.max_num_seqs * -(-max_len // args.block_size)
             num_blocks = max(1, min(by_memory, by_use))
         else:
@@ -110,10 +111,10 @@ class LLMEngine:
         if self.tp is None:
             self.model = LlamaForCausalLM(cfg, weights, args.quantization).eval()
             self.kv_cache = KVCache(cfg.num_hidden_layers, num_blocks, args.block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, dtype, args.device)
+                                    cfg.num_key_value_heads, cfg.head_dim, kv_dtype, args.device)
             runner = ModelRunner(self.model, self.kv_cache)
         else:
-            self.model, self.kv_cache, runner = self._start_tensor_parallel(weights, shards, num_blocks, dtype)
+            self.model, self.kv_cache, runner = self._start_tensor_parallel(weights, shards, num_blocks, dtype, kv_dtype)
             weights = to_device({k: weights[k] for k in ("model.embed_tokens.weight", "lm_head.weight") if k in weights},
                                 args.device, dtype)   # what a draft head shares with the target
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
@@ -128,7 +129,7 @@ class LLMEngine:
             # the head's builder if quantized); nothing keeps them once the proposer is built
             target = TargetInfo(cfg, self.tokenizer, dtype, args.device, args.quantization, num_blocks,
                                 args.block_size, weights["model.embed_tokens.weight"],
-                                weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
+                                weights.get("lm_head.weight", weights["model.embed_tokens.weight"]), kv_dtype)
             proposer = build_proposer(self.spec_config, target, loaded_draft)
             self.model.aux_hidden_state_layers = proposer.aux_hidden_state_layers
             self.worker = SpeculativeWorker(self.target_worker, proposer, self.spec_config)
@@ -144,7 +145,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
 
-    def _start_tensor_parallel(self, weights: dict, shards: list, num_blocks: int, dtype: torch.dtype):
+    def _start_tensor_parallel(self, weights: dict, shards: list, num_blocks: int, dtype: torch.dtype,
+                               kv_dtype: torch.dtype):
         """Start (or, under torchrun, join) the ranks and build this rank's shard. Rank 0 returns its
         model, KV cache and :class:`~specserve.distributed.runner.TensorParallelRunner`; any other
         rank serves rank 0 until it shuts down and then ends the process (``SystemExit(0)``)."""
@@ -154,7 +156,7 @@ class LLMEngine:
 
         tp, args, cfg = self.tp, self.args, self.model_config
         common = dict(config=cfg, quantization=args.quantization, num_blocks=num_blocks, block_size=args.block_size,
-                      dtype=dtype)
+                      dtype=dtype, kv_dtype=kv_dtype)
         builds = None
         if not tp.external:   # spawned workers get their shards through shared memory
             builds = {r: dict(common, weights=shard_weights(cfg, weights, shards[r]), shard=shards[r],

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 
 from specserve.config import (DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_QUANTIZATION,
-                              DTYPES, EngineArgs)
+                              DTYPES, KV_CACHE_DTYPES, EngineArgs)
 from specserve.models.quantization import QUANTIZATIONS
 
 
@@ -59,6 +59,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
                    help="memory for the paged KV cache (default: %(default)s)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache pages (overrides --kv-cache-memory-gb)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the paged KV cache's entries (target and draft model): auto is float16 for a float32 model "
+                        "on the CPU (half the bytes a step reads), else the model's dtype (default: %(default)s)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of a prompt prefix seen before, the target's and the draft's "
                         "(default: on; --no-enable-prefix-caching turns it off)")

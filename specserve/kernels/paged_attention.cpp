@@ -27,11 +27,32 @@
 #include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 #include <cmath>
+
+#include "vec_math.h"
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+// 8 cache values as float32: float32 as is, float16 by F16C's exact widening, bfloat16 by a shift
+// (exact too). A 16-bit cache halves the bytes a step reads; every path widens the same way.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+// 8 float32 values into the cache's type, rounded to nearest even as torch's .to(dtype) does.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store8(at::BFloat16* p, __m256 v) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, v);
+  for (int i = 0; i < 8; ++i) p[i] = c10::BFloat16(f[i]);   // c10's round-to-nearest-even (NaN kept)
+}
 
 inline float hsum8(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -47,43 +68,25 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// exp(x) for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), exp(r)
-// by its Taylor polynomial of degree 7 (truncation < 2e-9 relative), times 2^n built in the exponent
-// bits. Lanes below -87 (exp < 2^-125) give 0: their weight is far below a float's resolution of 1,
-// the largest weight.
+// exp(x) for x <= 0, 8 lanes (vec_math.h's exp8); lanes below -87 (exp < 2^-125) give 0: their
+// weight is far below a float's resolution of 1, the largest weight.
 inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);         // ln2 = 0.693359375
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);              //       - 2.12194440e-4
-  __m256 p = _mm256_set1_ps(1.0f / 5040);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), specserve::exp8(x));
 }
 
 // Scores of NI query heads x NJ keys, each pair's dot product one chain: the product of the first
 // 8 lanes, fmas over the rest in lane-block order, hsum8, times scale. The block's chains
 // interleave (which hides the fma latency), and each still gets the operations it gets alone.
-template <int NI, int NJ>
-inline void score_block(const float* qi, int64_t D, const float* const* kj, float scale, float* si, int64_t L) {
+template <int NI, int NJ, typename C>
+inline void score_block(const float* qi, int64_t D, const C* const* kj, float scale, float* si, int64_t L) {
   __m256 acc[NI][NJ];
   for (int i = 0; i < NI; ++i)
-    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_mul_ps(_mm256_loadu_ps(qi + i * D), _mm256_loadu_ps(kj[j]));
+    for (int j = 0; j < NJ; ++j) acc[i][j] = _mm256_mul_ps(_mm256_loadu_ps(qi + i * D), load8(kj[j]));
   for (int64_t x = 8; x < D; x += 8) {
     __m256 qv[NI];
     for (int i = 0; i < NI; ++i) qv[i] = _mm256_loadu_ps(qi + i * D + x);
     for (int j = 0; j < NJ; ++j) {
-      const __m256 kv = _mm256_loadu_ps(kj[j] + x);
+      const __m256 kv = load8(kj[j] + x);
       for (int i = 0; i < NI; ++i) acc[i][j] = _mm256_fmadd_ps(qv[i], kv, acc[i][j]);
     }
   }
@@ -94,16 +97,16 @@ inline void score_block(const float* qi, int64_t D, const float* const* kj, floa
 // out lanes x..x + 8 NV - 1 of NI query heads: sum over the keys in position order of weight
 // times value row, fmas from zero (one chain per output lane, as the lanes' own order), then
 // times the head's 1 / sum; the accumulators stay in registers over all keys.
-template <int NI, int NV>
-inline void value_block(const float* si, int64_t L, const float* vg, int64_t ld, const int64_t* slots, int64_t x,
+template <int NI, int NV, typename C>
+inline void value_block(const float* si, int64_t L, const C* vg, int64_t ld, const int64_t* slots, int64_t x,
                         const float* inv, float* oi, int64_t D) {
   __m256 acc[NI][NV];
   for (int i = 0; i < NI; ++i)
     for (int u = 0; u < NV; ++u) acc[i][u] = _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
-    const float* vj = vg + slots[j] * ld + x;
+    const C* vj = vg + slots[j] * ld + x;
     __m256 vv[NV];
-    for (int u = 0; u < NV; ++u) vv[u] = _mm256_loadu_ps(vj + 8 * u);
+    for (int u = 0; u < NV; ++u) vv[u] = load8(vj + 8 * u);
     for (int i = 0; i < NI; ++i) {
       const __m256 w = _mm256_broadcast_ss(si + i * L + j);
       for (int u = 0; u < NV; ++u) acc[i][u] = _mm256_fmadd_ps(w, vv[u], acc[i][u]);
@@ -118,8 +121,9 @@ inline void value_block(const float* si, int64_t L, const float* vg, int64_t ld,
 // keys. Every (head, key) score and every output lane gets its own operations in key order,
 // whatever the blocking: scores in blocks of 2 heads x 4 keys, weighted values in blocks of 2 heads
 // x 32 lanes kept in registers over all keys. s: scratch of G * L floats; slots: of L int64.
+template <typename C>
 void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, float scale, const float* q,
-            const float* kc, const float* vc, const int64_t* seq_slots, int64_t prefix, int64_t block_len,
+            const C* kc, const C* vc, const int64_t* seq_slots, int64_t prefix, int64_t block_len,
             const uint8_t* mask, float* out, float* s, int64_t* slots) {
   int64_t L = 0;
   for (int64_t j = 0; j < prefix; ++j) slots[L++] = seq_slots[j];
@@ -127,10 +131,10 @@ void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, 
     if (mask[j]) slots[L++] = seq_slots[prefix + j];
   const float* qg = q + (t * H + g * G) * D;   // the G query heads, contiguous
   const int64_t ld = Hkv * D;                  // floats from one slot's rows to the next's
-  const float* kg = kc + g * D;
-  const float* vg = vc + g * D;
+  const C* kg = kc + g * D;
+  const C* vg = vc + g * D;
   auto scores = [&](auto NJ, int64_t j) {
-    const float* kj[NJ];
+    const C* kj[NJ];
     for (int u = 0; u < NJ; ++u) kj[u] = kg + slots[j + u] * ld;
     int64_t i = 0;
     for (; i + 2 <= G; i += 2) score_block<2, NJ>(qg + i * D, D, kj, scale, s + i * L + j, L);
@@ -179,18 +183,38 @@ void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, 
 
 }  // namespace
 
-// query [T, H, D] float32; key_cache, value_cache [num_slots, Hkv, D] float32 (flat pages);
-// seq_slots int64: every sequence's slots in position order, concatenated; row_slot_start [T] int64:
-// where row t's sequence starts in seq_slots; prefix, block_len [T] int64; mask [T, W] uint8
-// (W >= max block_len; W = 0 without trees). Returns [T, H, D] float32.
+namespace {
+
+void check_caches(const torch::Tensor& key_cache, const torch::Tensor& value_cache) {
+  const auto dt = key_cache.scalar_type();
+  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kFloat16 || dt == torch::kBFloat16) &&
+              value_cache.scalar_type() == dt && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+              key_cache.dim() == 3 && key_cache.sizes() == value_cache.sizes(),
+              "caches must be contiguous float32 / float16 / bfloat16 [slots, Hkv, D] tensors of one dtype");
+}
+
+// The cache's element type as C for f(C{}).
+template <typename F>
+void with_cache_type(const torch::Tensor& cache, F&& f) {
+  switch (cache.scalar_type()) {
+    case torch::kFloat16: f(at::Half{}); break;
+    case torch::kBFloat16: f(at::BFloat16{}); break;
+    default: f(float{}); break;
+  }
+}
+
+}  // namespace
+
+// query [T, H, D] float32; key_cache, value_cache [num_slots, Hkv, D] float32, float16 or bfloat16
+// (flat pages); seq_slots int64: every sequence's slots in position order, concatenated;
+// row_slot_start [T] int64: where row t's sequence starts in seq_slots; prefix, block_len [T] int64;
+// mask [T, W] uint8 (W >= max block_len; W = 0 without trees). Returns [T, H, D] float32.
 torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor seq_slots, torch::Tensor row_slot_start, torch::Tensor prefix,
                               torch::Tensor block_len, torch::Tensor mask, double scale) {
   TORCH_CHECK(query.dtype() == torch::kFloat32 && query.dim() == 3 && query.is_contiguous(),
               "query must be a contiguous float32 [T, H, D] tensor");
-  TORCH_CHECK(key_cache.dtype() == torch::kFloat32 && value_cache.dtype() == torch::kFloat32 &&
-              key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
-              key_cache.sizes() == value_cache.sizes(), "caches must be contiguous float32 [slots, Hkv, D]");
+  check_caches(key_cache, value_cache);
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2), Hkv = key_cache.size(1);
   TORCH_CHECK(key_cache.size(2) == D && D % 8 == 0, "head_dim must match the cache and be a multiple of 8, got ", D);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && H / Hkv <= 64, "num_heads ", H, " must be a multiple of num_kv_heads ", Hkv,
@@ -218,8 +242,6 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
   if (T == 0) return out;
   const int64_t G = H / Hkv;
   const float* qp = query.data_ptr<float>();
-  const float* kp = key_cache.data_ptr<float>();
-  const float* vp = value_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
   // Tasks (kv head g, row t), g-major (a thread's tasks share one head's keys and values), cut in
@@ -242,17 +264,91 @@ torch::Tensor paged_attention(torch::Tensor query, torch::Tensor key_cache, torc
     }
     bounds.push_back(tasks);
   }
-  at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> s(static_cast<size_t>(G * std::max<int64_t>(max_len, 1)));
-    std::vector<int64_t> slots(static_cast<size_t>(std::max<int64_t>(max_len, 1)));
-    for (int64_t task = bounds[c0]; task < bounds[c1]; ++task) {
-      const int64_t g = task / T, t = task % T;
-      attend(t, g, G, D, H, Hkv, sc, qp, kp, vp, ss + rs[t], pf[t], bl[t], mk + t * W, op, s.data(), slots.data());
-    }
+  with_cache_type(key_cache, [&](auto tag) {
+    using C = decltype(tag);
+    const C* kp = static_cast<const C*>(key_cache.data_ptr());
+    const C* vp = static_cast<const C*>(value_cache.data_ptr());
+    at::parallel_for(0, static_cast<int64_t>(bounds.size()) - 1, 1, [&](int64_t c0, int64_t c1) {
+      std::vector<float> s(static_cast<size_t>(G * std::max<int64_t>(max_len, 1)));
+      std::vector<int64_t> slots(static_cast<size_t>(std::max<int64_t>(max_len, 1)));
+      for (int64_t task = bounds[c0]; task < bounds[c1]; ++task) {
+        const int64_t g = task / T, t = task % T;
+        attend(t, g, G, D, H, Hkv, sc, qp, kp, vp, ss + rs[t], pf[t], bl[t], mk + t * W, op, s.data(), slots.data());
+      }
+    });
   });
   return out;
 }
 
+// Rotary embedding (Su et al. 2021, RoFormer; the rotate-half layout of Hugging Face's Llama / Qwen2)
+// and the KV write of one layer, from the fused projection's output:
+//   qkv [T, (H + 2 Hkv) D] float32 (q heads, k heads, v heads per row), cos / sin [P, D] float32
+//   tables, positions [T] int64, slot_mapping [T] int64, key_cache / value_cache [num_slots, Hkv, D].
+// Rotated keys and the values go to their slots (rounded to the cache's type); returns the rotated
+// queries [T, H, D] float32. Lane i < D/2 is x_i cos_i - x_{i+D/2} sin_i, lane i >= D/2 is
+// x_i cos_i + x_{i-D/2} sin_i: each one product, one product and one add or subtract, the operations
+// of the PyTorch reference (q * cos + rotate_half(q) * sin), so the same bits.
+torch::Tensor rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor positions,
+                            torch::Tensor slot_mapping, torch::Tensor key_cache, torch::Tensor value_cache,
+                            int64_t num_heads) {
+  check_caches(key_cache, value_cache);
+  const int64_t T = qkv.size(0), Hkv = key_cache.size(1), D = key_cache.size(2), H = num_heads;
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (H + 2 * Hkv) * D,
+              "qkv must be a float32 [T, (H + 2 Hkv) D] tensor with unit column stride");
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16 for the fused rotary embedding, got ", D);
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D && cos.sizes() == sin.sizes(),
+              "cos / sin must be contiguous float32 [P, head_dim] tables");
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && slot_mapping.dtype() == torch::kInt64 && positions.is_contiguous() &&
+              slot_mapping.is_contiguous() && positions.numel() == T && slot_mapping.numel() == T,
+              "positions and slot_mapping must be contiguous int64 [T]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is past the rotary table (", cos.size(0), ")");
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < key_cache.size(0), "slot ", sm[t], " out of range");
+  }
+  auto q = at::empty({T, H, D}, qkv.options());
+  const float* xp = qkv.data_ptr<float>();
+  const int64_t ldx = qkv.stride(0), half = D / 2;
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  with_cache_type(key_cache, [&](auto tag) {
+    using C = decltype(tag);
+    C* kp = static_cast<C*>(key_cache.data_ptr());
+    C* vp = static_cast<C*>(value_cache.data_ptr());
+    at::parallel_for(0, T, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float* x = xp + t * ldx;
+        const float* c = cp + pos[t] * D;
+        const float* s = sp + pos[t] * D;
+        auto rotate = [&](const float* head, auto put) {
+          for (int64_t i = 0; i < half; i += 8) {
+            const __m256 x1 = _mm256_loadu_ps(head + i), x2 = _mm256_loadu_ps(head + half + i);
+            put(i, _mm256_sub_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)), _mm256_mul_ps(x2, _mm256_loadu_ps(s + i))));
+            put(half + i, _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)),
+                                        _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i))));
+          }
+        };
+        for (int64_t h = 0; h < H; ++h) {
+          float* out = qp + (t * H + h) * D;
+          rotate(x + h * D, [&](int64_t i, __m256 v) { _mm256_storeu_ps(out + i, v); });
+        }
+        for (int64_t h = 0; h < Hkv; ++h) {
+          C* kout = kp + (sm[t] * Hkv + h) * D;
+          C* vout = vp + (sm[t] * Hkv + h) * D;
+          rotate(x + (H + h) * D, [&](int64_t i, __m256 v) { store8(kout + i, v); });
+          const float* v = x + (H + Hkv + h) * D;
+          for (int64_t i = 0; i < D; i += 8) store8(vout + i, _mm256_loadu_ps(v + i));
+        }
+      }
+    });
+  });
+  return q;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (one task per row and kv head)");
+  m.def("rope_write_kv", &rope_write_kv, "rotary embedding of q and k, k and v written to their cache slots");
 }

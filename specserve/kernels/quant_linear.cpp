@@ -39,6 +39,8 @@
 #include <ATen/ops/empty_like.h>
 #include <immintrin.h>
 #include <algorithm>
+
+#include "vec_math.h"
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -631,67 +633,181 @@ void check_packed(const torch::Tensor& t, c10::ScalarType dtype, int64_t numel, 
               " does not match the packed layout (dtype, contiguity or size)");
 }
 
+
+// One row's activation quantization: x [K] float32 -> q [K] int8 in kernel order, d [S] float32,
+// bsum [K / 32] int32 (each 32-value block's sum). The same instructions whichever op produced the
+// row (quantize_rows, rms_norm_rows, silu_mul_rows), so a fused op's integers are quantize_rows's.
+void quantize_row(const float* xp, int64_t K, int8_t* qp, float* dp, int32_t* bp) {
+  alignas(32) int8_t q[kSuper];
+  const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  const int64_t S = (K + kSuper - 1) / kSuper;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t k0 = s * kSuper, len = std::min(kSuper, K - k0), nsub = len / 32;
+    const float* xs = xp + k0;
+    // 8 lanes at a time, the scalar definition's values: the maximum is exact in any order
+    // (a NaN never wins, as with std::max), nearbyint is vroundps in the current rounding mode, the clamp
+    // sends a NaN to -127 as std::min(127, std::max(-127, v)) does
+    __m256 mx = _mm256_setzero_ps();
+    for (int64_t i = 0; i < len; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)), mx);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx);
+    float amax = 0.0f;
+    for (float v : lanes) amax = std::max(amax, v);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    dp[s] = amax / 127.0f;
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int64_t i = 0; i < len; i += 32) {
+      __m256i w[4];
+      for (int u = 0; u < 4; ++u) {
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * u), iv),
+                                         _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
+        w[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+      }
+      // int32 -> int8 with saturation (exact: |v| <= 127); the packs interleave 128-bit lanes
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q + i),
+                         _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
+    for (int64_t j = 0; j < nsub; ++j) {
+      int32_t t = 0;
+      for (int i = 0; i < 32; ++i) t += q[j * 32 + i];
+      bp[k0 / 32 + j] = t;
+    }
+    int8_t* dst = qp + k0;   // the kernel order: groups of four transposed
+    for (int64_t t = 0; t < 8; ++t)
+      for (int64_t j = 0; j < nsub; ++j) std::memcpy(dst + t * 4 * nsub + 4 * j, q + 32 * j + 4 * t, 4);
+  }
+}
+
+// The rows an activation op writes: float32 [M, K], or the quantized triple of quantize_rows.
+struct RowSink {
+  bool quantize;
+  int64_t K;
+  torch::Tensor y, xq, dx, bsum;
+  RowSink(const torch::Tensor& like, int64_t M, int64_t K_, bool q) : quantize(q), K(K_) {
+    if (q) {
+      TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
+      xq = at::empty({M, K}, like.options().dtype(torch::kInt8));
+      dx = at::empty({M, (K + kSuper - 1) / kSuper}, like.options().dtype(torch::kFloat32));
+      bsum = at::empty({M, K / 32}, like.options().dtype(torch::kInt32));
+    } else {
+      y = at::empty({M, K}, like.options().dtype(torch::kFloat32));
+    }
+  }
+  // the row's buffer to fill: y's own row, or ``scratch`` that put() then quantizes
+  float* row(int64_t m, float* scratch) { return quantize ? scratch : y.data_ptr<float>() + m * K; }
+  void put(int64_t m, const float* r) {
+    if (quantize)
+      quantize_row(r, K, xq.data_ptr<int8_t>() + m * K, dx.data_ptr<float>() + m * dx.size(1),
+                   bsum.data_ptr<int32_t>() + m * (K / 32));
+  }
+  std::vector<torch::Tensor> result() const {
+    return quantize ? std::vector<torch::Tensor>{xq, dx, bsum} : std::vector<torch::Tensor>{y};
+  }
+};
+
+void check_rows(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), what,
+              " must be a contiguous float32 [M, K] tensor");
+}
+
+
 }  // namespace
+
 // x [M, K] float32 -> (xq int8 [M, K] in kernel order, dx float32 [M, S], bsum int32 [M, K/32]:
 // each 32-value block's sum).
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "in_features must be a multiple of 32, got ", K);
-  const int64_t S = (K + kSuper - 1) / kSuper;
-  auto xq = at::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto dx = at::empty({M, S}, x.options());
-  auto bsum = at::empty({M, K / 32}, x.options().dtype(torch::kInt32));
+  RowSink sink(x, M, K, true);
   const float* xp = x.data_ptr<float>();
-  int8_t* qp = xq.data_ptr<int8_t>();
-  float* dp = dx.data_ptr<float>();
-  int32_t* bp = bsum.data_ptr<int32_t>();
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
-    alignas(32) int8_t q[kSuper];
-    const __m256 sign = _mm256_set1_ps(-0.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    for (int64_t m = b; m < e; ++m) {
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t k0 = s * kSuper, len = std::min(kSuper, K - k0), nsub = len / 32;
-        const float* xs = xp + m * K + k0;
-        // 8 lanes at a time, the scalar definition's values: the maximum is exact in any order
-        // (a NaN never wins, as with std::max), nearbyint is vroundps in the current rounding mode, the clamp
-        // sends a NaN to -127 as std::min(127, std::max(-127, v)) does
-        __m256 mx = _mm256_setzero_ps();
-        for (int64_t i = 0; i < len; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xs + i)), mx);
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, mx);
-        float amax = 0.0f;
-        for (float v : lanes) amax = std::max(amax, v);
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        dp[m * S + s] = amax / 127.0f;
-        const __m256 iv = _mm256_set1_ps(inv);
-        for (int64_t i = 0; i < len; i += 32) {
-          __m256i w[4];
-          for (int u = 0; u < 4; ++u) {
-            const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xs + i + 8 * u), iv),
-                                             _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
-            w[u] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
-          }
-          // int32 -> int8 with saturation (exact: |v| <= 127); the packs interleave 128-bit lanes
-          const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3]));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(q + i),
-                             _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        }
-        for (int64_t j = 0; j < nsub; ++j) {
-          int32_t t = 0;
-          for (int i = 0; i < 32; ++i) t += q[j * 32 + i];
-          bp[m * (K / 32) + k0 / 32 + j] = t;
-        }
-        int8_t* dst = qp + m * K + k0;   // the kernel order: groups of four transposed
-        for (int64_t t = 0; t < 8; ++t)
-          for (int64_t j = 0; j < nsub; ++j) std::memcpy(dst + t * 4 * nsub + 4 * j, q + 32 * j + 4 * t, 4);
-      }
-    }
+    for (int64_t m = b; m < e; ++m) sink.put(m, xp + m * K);
   });
-  return {xq, dx, bsum};
+  return sink.result();
 }
 
+// RMSNorm of each row (Zhang & Sennrich 2019), with the residual add before it:
+//   h = hidden (+ delta);  y = h * (1 / sqrt(sum(h^2) / K + eps)) * weight
+// Returns [h, y] (h is hidden itself without delta), or [h, xq, dx, bsum] with quantize: y in
+// quantize_rows's form for the next linear. Each row is one thread's fixed instruction sequence
+// (the sum of squares in 8 lanes in column order, then a fixed tree), so its bits never depend on
+// the other rows.
+std::vector<torch::Tensor> rms_norm_rows(torch::Tensor hidden, c10::optional<torch::Tensor> delta,
+                                         torch::Tensor weight, double eps, bool quantize) {
+  check_rows(hidden, "hidden");
+  const int64_t M = hidden.size(0), K = hidden.size(1);
+  TORCH_CHECK(K % 8 == 0, "hidden_size must be a multiple of 8, got ", K);
+  TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.is_contiguous() && weight.numel() == K,
+              "weight must be a contiguous float32 [", K, "] tensor");
+  const bool add = delta.has_value() && delta->defined();
+  torch::Tensor h = hidden;
+  if (add) {
+    check_rows(*delta, "delta");
+    TORCH_CHECK(delta->sizes() == hidden.sizes(), "delta must have hidden's shape");
+    h = at::empty_like(hidden);
+  }
+  RowSink sink(hidden, M, K, quantize);
+  const float* xp = hidden.data_ptr<float>();
+  const float* dp = add ? delta->data_ptr<float>() : nullptr;
+  float* hp = h.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  const float e = static_cast<float>(eps), inv_k = 1.0f / static_cast<float>(K);
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(K));
+    for (int64_t m = b; m < end; ++m) {
+      float* hr = hp + m * K;
+      const float* xr = xp + m * K;
+      __m256 ss = _mm256_setzero_ps();
+      for (int64_t i = 0; i < K; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        if (add) {
+          v = _mm256_add_ps(v, _mm256_loadu_ps(dp + m * K + i));
+          _mm256_storeu_ps(hr + i, v);
+        }
+        ss = _mm256_add_ps(ss, _mm256_mul_ps(v, v));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, ss);
+      const float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+      const __m256 r = _mm256_set1_ps(1.0f / std::sqrt(sum * inv_k + e));
+      float* y = sink.row(m, scratch.data());
+      for (int64_t i = 0; i < K; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(hr + i), r), _mm256_loadu_ps(wp + i)));
+      sink.put(m, y);
+    }
+  });
+  std::vector<torch::Tensor> out{h};
+  for (auto& t : sink.result()) out.push_back(t);
+  return out;
+}
+
+// SwiGLU's activation (Shazeer 2020): gate_up [M, 2I] float32 (gate columns, then up) ->
+// silu(gate) * up = gate / (1 + exp(-gate)) * up, [M, I] float32, or its quantized form with
+// quantize. Element-wise, one fixed instruction sequence per element.
+std::vector<torch::Tensor> silu_mul_rows(torch::Tensor gate_up, bool quantize) {
+  check_rows(gate_up, "gate_up");
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I && I % 8 == 0, "gate_up must be [M, 2 I] with I a multiple of 8");
+  RowSink sink(gate_up, M, I, quantize);
+  const float* gp = gate_up.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t end) {
+    std::vector<float> scratch(static_cast<size_t>(I));
+    for (int64_t m = b; m < end; ++m) {
+      const float* g = gp + m * 2 * I;
+      float* y = sink.row(m, scratch.data());
+      for (int64_t i = 0; i < I; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, specserve::exp8(_mm256_xor_ps(x, sign))));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(g + I + i)));
+      }
+      sink.put(m, y);
+    }
+  });
+  return sink.result();
+}
 
 // out[:, col0:col0+N] = the int4 weight (packed, N rows) applied to the quantized rows (+ bias).
 void q4_matmul(torch::Tensor xq, torch::Tensor dx, torch::Tensor bsum, torch::Tensor wq, torch::Tensor sc,
@@ -841,6 +957,8 @@ std::vector<int64_t> tile_shapes() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_rows", &quantize_rows, "per-row, per-256 int8 activation quantization");
+  m.def("rms_norm_rows", &rms_norm_rows, "residual add and RMSNorm per row, float or quantized for the next linear");
+  m.def("silu_mul_rows", &silu_mul_rows, "silu(gate) * up per row, float or quantized for the next linear");
   m.def("q4_matmul", &q4_matmul, "int4 (k-quant, packed) weight x int8 activation matmul");
   m.def("q8_matmul", &q8_matmul, "int8 (k-quant, packed) weight x int8 activation matmul");
   m.def("q6_matmul", &q6_matmul, "6-bit (Q6_K, packed) weight x int8 activation matmul");

@@ -59,6 +59,12 @@ class BatchInvariantLinear(nn.Module):
         if x.shape[0] == 0:
             return x.new_empty((0, self.out_features))
         if self.prepacked:
+            if x.shape[0] == 1:
+                # oneDNN runs one row (in_features >= 1536 measured) on another kernel than two or more
+                # rows, which rounds differently: a decode step would then not match a verify's rows.
+                # Two copies of the row take the many-row kernel, at the cost of one row's arithmetic.
+                return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.weight, self.bias,
+                                                          "none", [], "")[:1]
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -109,12 +115,25 @@ class QuantizedLinear(nn.Module):
         return sum(p.nbytes for p in self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0] == 0:
-            return out
+            return torch.empty(0, self.out_features, dtype=torch.float32)
         if x.dtype != torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()
-        xq, dx, bsum = self._ops.quantize_rows(x)
+        return self.forward_quantized(*self._ops.quantize_rows(x))
+
+    def forward_quantized(self, xq: torch.Tensor, dx: torch.Tensor, bsum: torch.Tensor) -> torch.Tensor:
+        """The linear on activations already quantized (``quantize_rows``'s form, or a fused op's
+        that ends in the same quantization: ``rms_norm_rows``, ``silu_mul_rows``).
+
+        Args:
+            xq: ``[T, in_features]`` int8 in the kernels' order; dx: ``[T, S]`` float32 scales
+                (``S = ceil(in_features / 256)``); bsum: ``[T, in_features / 32]`` int32 block sums.
+        Returns:
+            ``[T, out_features]`` float32.
+        """
+        out = torch.empty(xq.shape[0], self.out_features, dtype=torch.float32)
+        if xq.shape[0] == 0:
+            return out
         for p, col0, bias in zip(self.packed, self.offsets, self._part_bias):
             if p.layout == "int4":
                 self._ops.q4_matmul(xq, dx, bsum, p.wq, p.sc, p.mn, p.d, p.dmin, p.n, bias, out, col0)

@@ -14,6 +14,7 @@ logits do not depend on what else is in the batch.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -22,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.attention.metadata import AttentionMetadata
-from specserve.attention.cpu_backend import CpuAttentionBackend
+from specserve.attention.cpu_backend import AttentionPlan, CpuAttentionBackend
 from specserve.config import ModelConfig
-from specserve.models.linear import make_linear
+from specserve.models.linear import QuantizedLinear, make_linear
 from specserve.models.quantization import check_quantization
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,39 @@ logger = logging.getLogger(__name__)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight`` over the last dim."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def fused_layer_ops(config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    """The kernels module of the fused decoder layer (``rms_norm_rows``, ``silu_mul_rows``; the
+    attention kernel's ``rope_write_kv``), or ``(None, why)`` where the model runs the PyTorch
+    reference layer instead: ``SPECSERVE_FUSED=0``, not a float32 CPU model, shapes the kernels do not
+    take (hidden_size or intermediate_size not a multiple of 8, head_dim not a multiple of 16), no
+    AVX2 or no compiler.
+
+    Returns:
+        ``(ops, None)`` or ``(None, reason)``.
+    """
+    import os
+
+    from specserve.kernels import KernelUnavailableError, attention_ops, quant_ops
+
+    if os.environ.get("SPECSERVE_FUSED", "1") == "0":
+        return None, "SPECSERVE_FUSED=0"
+    if device.type != "cpu" or dtype != torch.float32:
+        return None, f"a {dtype} model on {device.type} (the fused layer serves float32 on the CPU)"
+    if config.hidden_size % 8 or config.intermediate_size % 8 or config.head_dim % 16:
+        return None, (f"hidden_size {config.hidden_size}, intermediate_size {config.intermediate_size}, head_dim "
+                      f"{config.head_dim} (the fused layer needs multiples of 8, 8 and 16)")
+    try:
+        attention_ops()
+        return quant_ops(), None
+    except KernelUnavailableError as e:
+        return None, str(e)
+
+
+def _apply(linear: nn.Module, rows: list[torch.Tensor]) -> torch.Tensor:
+    """``linear`` on a fused op's output: float rows ``[x]`` or quantized ``[xq, dx, bsum]``."""
+    return linear.forward_quantized(*rows) if len(rows) == 3 else linear(rows[0])
 
 
 class RotaryEmbedding(nn.Module):
@@ -95,6 +129,8 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.attn = CpuAttentionBackend(self.num_heads, self.num_kv_heads, cfg.head_dim)
+        # which of the fused ops' outputs feed an integer linear (then they quantize the rows)
+        self._quantized = tuple(isinstance(m, QuantizedLinear) for m in (self.qkv_proj, self.gate_up_proj, self.down_proj))
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.tp is None else self.tp.all_reduce(x)
@@ -116,6 +152,29 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
         return hidden + self._reduce(self.down_proj(F.silu(gate) * up))
 
+    def forward_fused(self, ops, positions: torch.Tensor, hidden: torch.Tensor, delta: torch.Tensor | None,
+                      key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      plan: AttentionPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` in six native calls besides the linears, the residual stream kept as
+        ``hidden + delta`` (the add happens inside the next RMSNorm call).
+
+        Args:
+            ops: :func:`fused_layer_ops`'s module.
+            hidden, delta: ``[T, hidden_size]`` float32, the stream entering the layer is
+                ``hidden + delta`` (``delta`` None: ``hidden``).
+            plan: the batch's attention plan.
+        Returns:
+            ``(hidden, delta)``: the stream leaving the layer is their sum.
+        """
+        eps, T = self.cfg.rms_norm_eps, hidden.shape[0]
+        hidden, *x = ops.rms_norm_rows(hidden, delta, self.input_layernorm, eps, self._quantized[0])
+        qkv = _apply(self.qkv_proj, x)
+        attn = self.attn.run_fused(qkv, positions, self.rotary.cos, self.rotary.sin, key_cache, value_cache, plan)
+        o = self._reduce(_apply(self.o_proj, [attn.view(T, self.q_size)]))
+        hidden, *x = ops.rms_norm_rows(hidden, o, self.post_attention_layernorm, eps, self._quantized[1])
+        x = ops.silu_mul_rows(_apply(self.gate_up_proj, x), self._quantized[2])
+        return hidden, self._reduce(_apply(self.down_proj, x))
+
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / SmolLM2 decoder built from Hugging Face-named weights.
@@ -133,11 +192,15 @@ class LlamaForCausalLM(nn.Module):
             rank's shard (:func:`~specserve.distributed.sharding.shard_weights`), the embedding and the
             row-parallel outputs are all-reduced and the logits gathered, so every rank computes the
             same full hidden states and logits.
+        lm_head_rows: ``[N]`` int64 vocabulary ids: the lm_head keeps only these rows and
+            :meth:`compute_logits` returns ``[., N]`` logits of them, in this order (a draft's
+            reduced vocabulary, :mod:`specserve.spec_decode.draft_vocab`; not with ``tp``).
     Raises:
         ValueError: an unknown quantization, a weight shape it cannot pack, or no kernel here.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict, quantization: str = "none", tp=None):
+    def __init__(self, config: ModelConfig, weights: dict, quantization: str = "none", tp=None,
+                 lm_head_rows: torch.Tensor | None = None):
         super().__init__()
         self.config = config
         self.tp = tp
@@ -159,6 +222,11 @@ class LlamaForCausalLM(nn.Module):
         head = weights.get("lm_head.weight")
         if head is None:
             head = weights["model.embed_tokens.weight"]
+        self.lm_head_rows = lm_head_rows
+        if lm_head_rows is not None:
+            if tp is not None:
+                raise ValueError("a reduced lm_head (lm_head_rows) is not supported under tensor parallelism")
+            head = head.select_rows(lm_head_rows) if hasattr(head, "select_rows") else head.index_select(0, lm_head_rows)
         self.lm_head = make_linear([head], None, quantization, "lm_head.weight")
         if quantization != "none":
             from specserve.models.linear import QuantizedLinear
@@ -168,6 +236,12 @@ class LlamaForCausalLM(nn.Module):
                         len(packed), quantization, time.perf_counter() - t0, sum(m.nbytes for m in packed) / 1e6)
         # EAGLE-3 heads read low / middle / high layers too (set by the engine from the proposer)
         self.aux_hidden_state_layers: tuple[int, ...] = ()
+        # the fused layer where the kernels take this model; the PyTorch layer stays the reference
+        # (set ``fused = False`` to run it)
+        self._fused_ops, why = fused_layer_ops(config, self.embed_tokens.dtype, self.embed_tokens.device)
+        self.fused = self._fused_ops is not None
+        if why is not None and os.environ.get("SPECSERVE_FUSED", "1") != "0":
+            logger.warning("the decoder layers run on the PyTorch reference path: %s", why)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -201,14 +275,28 @@ class LlamaForCausalLM(nn.Module):
         """
         key_cache, value_cache = kv_caches
         hidden = self.embed(input_ids)
-        tables = self.rotary.tables(positions, hidden.dtype)
         aux = []
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_hidden_state_layers:
-                aux.append(hidden)
-            hidden = layer(positions, hidden, key_cache[i], value_cache[i], md, tables)
-        final = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
+        if self._runs_fused(hidden, key_cache):
+            ops, plan, delta = self._fused_ops, AttentionPlan.build(md), None
+            positions = positions.to(torch.int64).contiguous()
+            for i, layer in enumerate(self.layers):
+                if i in self.aux_hidden_state_layers:
+                    hidden, delta = (hidden if delta is None else hidden + delta), None
+                    aux.append(hidden)
+                hidden, delta = layer.forward_fused(ops, positions, hidden, delta, key_cache[i], value_cache[i], plan)
+            final = ops.rms_norm_rows(hidden, delta, self.norm, self.config.rms_norm_eps, False)[1]
+        else:
+            tables = self.rotary.tables(positions, hidden.dtype)
+            for i, layer in enumerate(self.layers):
+                if i in self.aux_hidden_state_layers:
+                    aux.append(hidden)
+                hidden = layer(positions, hidden, key_cache[i], value_cache[i], md, tables)
+            final = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
         return torch.cat([final, *aux], dim=-1) if aux else final
+
+    def _runs_fused(self, hidden: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        return (self.fused and hidden.shape[0] > 0 and hidden.dtype == torch.float32
+                and self.layers[0].attn.fused_available(key_cache))
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

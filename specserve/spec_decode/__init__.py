@@ -33,6 +33,7 @@ class TargetInfo:
     block_size: int
     embedding: torch.Tensor
     lm_head: Any
+    kv_cache_dtype: torch.dtype | None = None   # a draft model's KV cache (default: ``dtype``)
 
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     """Raise ``ValueError`` unless both tokenizers map every token string to the same id."""
@@ -59,10 +60,17 @@ def _build_draft_model(cfg: SpeculativeConfig, target: TargetInfo, loaded: "Load
         # a draft's numerics never reach the output: every tensor in the asked (cheapest) layout
         loaded = load_model(name, dtype=dtype, quantization=quantization, keep_file_precision=False)
     check_same_tokenizer(target.tokenizer, loaded.tokenizer, name)
-    model = LlamaForCausalLM(loaded.config, to_device(loaded.weights, target.device, dtype), quantization).eval()
+    rows = None
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size < loaded.config.vocab_size:
+        from specserve.spec_decode.draft_vocab import draft_vocabulary
+
+        rows = draft_vocabulary(target.tokenizer, min(loaded.config.vocab_size, target.config.vocab_size),
+                                cfg.draft_vocab_size, target.config.eos_token_ids)
+    model = LlamaForCausalLM(loaded.config, to_device(loaded.weights, target.device, dtype), quantization,
+                             lm_head_rows=rows).eval()
     c = loaded.config
     kv = KVCache(c.num_hidden_layers, target.num_blocks, target.block_size, c.num_key_value_heads, c.head_dim,
-                 dtype, target.device)
+                 target.kv_cache_dtype or dtype, target.device)
     return DraftModelProposer(ModelRunner(model, kv), target.config.vocab_size)
 
 

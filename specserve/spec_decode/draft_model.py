@@ -45,7 +45,12 @@ class DraftModelProposer(ChainProposer):
         return self.states.setdefault(seq_id, _DraftState())
 
     def _align(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits ``[N, V_draft]`` -> ``[N, V_target]``: extra rows cut, missing ids at -inf."""
+        """Draft logits ``[N, V_draft]`` -> ``[N, V_target]``: extra rows cut, missing ids at -inf
+        (a reduced vocabulary's logits scattered to their target ids, the rest at -inf)."""
+        rows = self.runner.model.lm_head_rows
+        if rows is not None:
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+            return full.index_copy_(1, rows, logits)
         v = logits.shape[-1]
         if v >= self.vocab_size:
             return logits[:, :self.vocab_size]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.spec_decode.draft_vocab import frequent_token_vocab  # noqa: F401 (re-exported)
 from specserve.training.corpus import is_validation, order_key
 from specserve.training.hidden_states import read_manifest
 
@@ -144,12 +145,3 @@ class HiddenStateDataset:
         for s in self.segments:
             counts += torch.bincount(s["topk_ids"][:, 0].long(), minlength=vocab_size)
         return counts
-
-
-def frequent_token_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The ``size`` most frequent token ids (``[size]`` int64, ascending id order): a reduced draft
-    vocabulary as EAGLE-3 builds it (Li et al. 2025, section 3). Ties go to the lower id."""
-    if not 1 <= size <= counts.numel():
-        raise ValueError(f"draft vocabulary size must be in [1, {counts.numel()}], got {size}")
-    order = torch.argsort(-counts, stable=True)[:size]
-    return order.sort().values
