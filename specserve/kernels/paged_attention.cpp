@@ -54,6 +54,18 @@ inline void store8(at::BFloat16* p, __m256 v) {
   for (int i = 0; i < 8; ++i) p[i] = c10::BFloat16(f[i]);   // c10's round-to-nearest-even (NaN kept)
 }
 
+// Keys and values are read row by row through the slots, scattered over pages: from memory each
+// row costs a full latency unless it is requested ahead. kAhead rows ahead covers the latency at
+// the loops' pace (a 1,000-token context in 28 layers' float16 caches, more than the last-level cache
+// holds: 115 -> 55 us a layer; 4 ahead 68 us, 16 ahead 62 us).
+constexpr int64_t kAhead = 8;
+
+template <typename C>
+inline void prefetch_row(const C* p, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(C)); off += 64) _mm_prefetch(b + off, _MM_HINT_T0);
+}
+
 inline float hsum8(__m256 v) {
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -105,6 +117,7 @@ inline void value_block(const float* si, int64_t L, const C* vg, int64_t ld, con
     for (int u = 0; u < NV; ++u) acc[i][u] = _mm256_setzero_ps();
   for (int64_t j = 0; j < L; ++j) {
     const C* vj = vg + slots[j] * ld + x;
+    if (j + kAhead < L) prefetch_row(vg + slots[j + kAhead] * ld + x, 8 * NV);
     __m256 vv[NV];
     for (int u = 0; u < NV; ++u) vv[u] = load8(vj + 8 * u);
     for (int i = 0; i < NI; ++i) {
@@ -136,6 +149,7 @@ void attend(int64_t t, int64_t g, int64_t G, int64_t D, int64_t H, int64_t Hkv, 
   auto scores = [&](auto NJ, int64_t j) {
     const C* kj[NJ];
     for (int u = 0; u < NJ; ++u) kj[u] = kg + slots[j + u] * ld;
+    for (int u = 0; u < NJ && j + u + kAhead < L; ++u) prefetch_row(kg + slots[j + u + kAhead] * ld, D);
     int64_t i = 0;
     for (; i + 2 <= G; i += 2) score_block<2, NJ>(qg + i * D, D, kj, scale, s + i * L + j, L);
     if (i < G) score_block<1, NJ>(qg + i * D, D, kj, scale, s + i * L + j, L);
