@@ -337,3 +337,15 @@ def test_steps_where_nothing_can_draft_are_plain_steps(tiny_qwen2_dir, tmp_path)
     assert 4 * 3 <= len(calls) < 20 and all(calls)
     assert engine.spec_stats.num_verify_steps == 0 and engine.spec_stats.num_draft_tokens == 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_measured_gain_is_the_best_timed_k_over_plain():
+    """What `specserve generate` prints: the best timed k's goodput over k = 0's at batch 1."""
+    ctrl = AdaptiveSpeculation(2, decay=1.0)
+    assert ctrl.measured_gain(1) is None                    # nothing timed
+    ctrl.observe_step(1, 0, 0.020)
+    assert ctrl.measured_gain(1) is None                    # no k > 0 timed
+    ctrl.observe_acceptance([(2, 2)] * 50 + [(2, 0)] * 50)
+    ctrl.observe_step(1, 2, 0.030)
+    gain, k = ctrl.measured_gain(1)
+    assert k == 2 and gain == pytest.approx(ctrl.expected_tokens(2) / 0.030 / (1 / 0.020))

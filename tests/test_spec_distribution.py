@@ -86,3 +86,49 @@ def test_wrong_sampler_is_caught_end_to_end(engines, monkeypatch):
     monkeypatch.setattr(rejection, "recovery_distribution", lambda p, q: p)
     base, spec = engines
     assert min(joint_pvalues(base, spec, temperature=1.0)) < 1e-3
+
+
+def test_reduced_draft_vocabulary_keeps_the_distribution(tiny_qwen2_dir, engines, tmp_path_factory, monkeypatch):
+    """A draft scoring only part of the vocabulary (FR-Spec's frequent tokens, here a fixed third)
+    proposes only those tokens, and sampled output still follows the target's distribution: its
+    restricted distribution is the q of rejection sampling."""
+    from specserve.spec_decode import draft_vocab
+
+    vocab = 300
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    counts[::3] = 1                                              # every third id is "frequent"
+    monkeypatch.setattr(draft_vocab, "corpus_token_counts", lambda tokenizer, size: counts[:size])
+    draft = tmp_path_factory.mktemp("dist_draft_vocab")
+    make_layer_skip_draft(tiny_qwen2_dir, draft, keep_layers=3, noise=0.07)
+    spec = LLM(tiny_qwen2_dir, max_num_seqs=256, speculative_config={
+        "method": "draft_model", "adaptive": False, "model": str(draft), "num_speculative_tokens": 2,
+        "draft_vocab_size": 100})
+    rows = spec.llm_engine.worker.proposer.runner.model.lm_head_rows
+    eos = spec.llm_engine.model_config.eos_token_ids
+    assert rows.numel() == 100 and set(eos) <= set(rows.tolist())   # EOS always kept
+    assert spec.llm_engine.worker.proposer.runner.model.lm_head.out_features == 100
+    base, _ = engines
+    assert min(joint_pvalues(base, spec, temperature=1.0)) > 1e-3
+    allowed = set(rows.tolist())
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    proposer = spec.llm_engine.worker.proposer
+    real = proposer._align
+    proposed = []
+
+    def spy(logits):
+        full = real(logits)
+        proposed.extend(full.argmax(-1).tolist())
+        return full
+    monkeypatch.setattr(proposer, "_align", spy)
+    assert (spec.generate([PROMPT], greedy)[0].outputs[0].token_ids ==
+            base.generate([PROMPT], greedy)[0].outputs[0].token_ids)
+    assert proposed and set(proposed) <= allowed
+
+
+def test_draft_vocab_size_is_checked():
+    from specserve.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="draft_vocab_size must be an integer >= 2, got 0"):
+        SpeculativeConfig(method="draft_model", model="x", draft_vocab_size=0)
+    with pytest.raises(ValueError, match="draft_vocab_size is for method 'draft_model', not 'ngram'"):
+        SpeculativeConfig(method="ngram", draft_vocab_size=100)

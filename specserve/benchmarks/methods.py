@@ -54,7 +54,8 @@ def _method_config(method: str, args: argparse.Namespace) -> dict | None:
         return {"method": "ngram", "num_speculative_tokens": k}
     if method == "draft_model":
         return {"method": "draft_model", "model": args.speculative_model or DEFAULT_DRAFT,
-                "num_speculative_tokens": k, "draft_quantization": args.draft_quantization}
+                "num_speculative_tokens": k, "draft_quantization": args.draft_quantization,
+                "draft_vocab_size": getattr(args, "draft_vocab_size", None)}
     from specserve.models.registry import shipped_head_for
 
     head = args.head or shipped_head_for(args.model)

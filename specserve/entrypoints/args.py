@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-quantization", "--speculative-quantization", choices=list(QUANTIZATIONS), default=None,
                    help="the draft model's or head's linears (default: the same as --quantization); the output stays "
                         "exact whatever the draft's numerics, since the target verifies every token")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft_model: score only this many of a corpus's most frequent tokens (FR-Spec), so the "
+                        "draft's lm_head reads that many rows; the output stays exact (default: the whole vocabulary)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vLLM's spelling: the whole speculative config as JSON, e.g. "
                         "'{\"method\": \"mtp\", \"num_speculative_tokens\": 3}' (keys of SpeculativeConfig); "
@@ -128,6 +131,8 @@ def speculative_config(args: argparse.Namespace) -> dict | None:
     if method == "eagle":
         common.update(speculative_token_tree=args.speculative_token_tree, eagle_topk=args.eagle_topk,
                       num_draft_tokens=args.num_draft_tokens)
+    if method == "draft_model" and getattr(args, "draft_vocab_size", None) is not None:
+        common["draft_vocab_size"] = args.draft_vocab_size
     return {"method": method, "model": draft, "draft_quantization": args.draft_quantization, **common}
 
 

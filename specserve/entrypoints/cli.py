@@ -48,10 +48,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
                         f"{' (adaptive: off where it did not pay)' if engine.spec_controller else ''}: "
                         f"{st.num_accepted_tokens}/{st.num_draft_tokens} drafts accepted, "
                         f"mean acceptance length {st.mean_acceptance_length:.2f}")
+            summary += measured_gain(engine.spec_controller)
         else:
             summary += f"; {method} speculation: no speculative step ran"
     print(summary, file=sys.stderr)
     return 0
+
+
+def measured_gain(controller) -> str:
+    """``"; measured gain 1.42x plain decode steps (k = 3)"`` from the adaptive controller's timed
+    steps at batch 1 (empty without a controller or before both were timed)."""
+    gain = controller.measured_gain(1) if controller is not None else None
+    return "" if gain is None else f"; measured gain {gain[0]:.2f}x plain decode steps (k = {gain[1]})"
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

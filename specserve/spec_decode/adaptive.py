@@ -154,6 +154,19 @@ class AdaptiveSpeculation:
         """Estimated tokens per second per sequence of a step with k drafts; None if unknown."""
         return self.goodput_in(self._bucket(batch_size), k)
 
+    def measured_gain(self, batch_size: int = 1) -> tuple[float, int] | None:
+        """``(gain, k)``: the best goodput among the k > 0 timed at ``batch_size`` over k = 0's
+        (the speedup of a decode step speculating at k over a plain one, acceptance included);
+        None until k = 0 and some k > 0 are timed there."""
+        bucket = self._bucket(batch_size)
+        plain = self.goodput_in(bucket, 0) if bucket.arms[0].time_per_seq_s is not None else None
+        timed = [(self.goodput_in(bucket, k), k) for k in range(1, self.max_k + 1)
+                 if bucket.arms[k].time_per_seq_s is not None]
+        if not plain or not timed:
+            return None
+        best, k = max(timed)
+        return best / plain, k
+
     def goodput_in(self, bucket: _Bucket, k: int) -> float | None:
         t = self._time_in(bucket, k)
         return None if t is None or t <= 0 else self.expected_tokens(k) / t
