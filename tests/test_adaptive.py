@@ -97,7 +97,7 @@ def test_acceptance_estimate():
 
 def test_unsteady_steps_are_counted_not_timed():
     """A step whose draft caught up over a backlog is slow for reasons other than k."""
-    ctrl = AdaptiveSpeculation(2)
+    ctrl = AdaptiveSpeculation(2, min_gain=1.3)
     ctrl.observe_step(1, 0, 0.1)
     ctrl.observe_step(1, 2, 5.0, steady=False)   # catch-up over a prompt or a k = 0 stretch
     assert ctrl.estimated_time_per_seq(1, 2) is None and ctrl.chosen_counts == [1, 0, 1]
@@ -127,7 +127,7 @@ def test_engine_greedy_exact_with_adaptive_k(tiny_qwen2_dir, tmp_path):
 def test_larger_batches_inherit_speculation_off():
     """Once a batch size has measured k = 0 as best, larger unmeasured ones start with k = 0 and the
     draft does not follow their prompts; smaller unmeasured ones still do, so they get measured."""
-    ctrl = AdaptiveSpeculation(2)
+    ctrl = AdaptiveSpeculation(2, min_gain=1.3)
     for _ in range(4):
         ctrl.observe_step(16, 0, 1.0)
         ctrl.observe_step(16, 2, 3.5)     # per sequence: 3.5x the time for ~2.2x the tokens
@@ -143,7 +143,7 @@ def test_draft_follows_a_prompt_only_when_its_prefill_is_repaid():
     prior 0.6 per draft): E(2) = 1 + 0.6 + 0.36 = 1.96 tokens, so a token costs 1.0 s without
     speculation and 1.2 / 1.96 s with it: a saving of 1 - 1.2/1.96 = 0.387755 s per token. The draft
     prefilled 100 tokens in 2.0 s: a 200-token prompt costs 4.0 s, repaid by 11 tokens, not by 10."""
-    ctrl = AdaptiveSpeculation(2)
+    ctrl = AdaptiveSpeculation(2, min_gain=1.3)
     ctrl.observe_step(1, 0, 1.0)
     ctrl.observe_step(1, 2, 1.2)
     assert ctrl.saving_per_token(1) == pytest.approx(1 - 1.2 / 1.96)
@@ -163,7 +163,7 @@ def test_unmeasured_batch_size_waits_then_extrapolates():
     1/1.8182 - 1/2.6133 = 0.16735 s per token. Batch 4's plain step at 1.6 s: a token costs 0.2 s
     more per sequence, k = 2 step 1.2 + 0.2 * 3 * 3 = 3.0 s, goodput 4 * 1.96 / 3.0 = 2.6133
     against 4 / 1.6 = 2.5 (1.045x): off, so the draft does not follow and k = 2 is not explored."""
-    ctrl = AdaptiveSpeculation(2)
+    ctrl = AdaptiveSpeculation(2, min_gain=1.3)
     ctrl.observe_step(1, 0, 1.0)
     ctrl.observe_step(1, 2, 1.2)
     assert ctrl.worth_following(2, 100, 10) is None and ctrl.worth_following(4, 100, 10) is None
@@ -185,7 +185,7 @@ def test_extrapolation_counts_the_draft_tokens():
     1.2 + 0.3 + 0.1 = 1.6 s: goodput 2 * 1.96 / 1.6 = 2.45 against 1.8182 (1.3475x, still on),
     saving 1/1.8182 - 1/2.45 = 0.14184 s per token. At 0.1 s per draft token the step is 1.7 s:
     2.3059 (1.268x): off."""
-    ctrl = AdaptiveSpeculation(2)
+    ctrl = AdaptiveSpeculation(2, min_gain=1.3)
     ctrl.observe_step(1, 0, 1.0)
     ctrl.observe_step(1, 2, 1.2)
     ctrl.observe_step(2, 0, 1.1)
@@ -201,7 +201,7 @@ def test_extrapolation_charges_verified_tokens_at_the_prefill_cost():
     target has prefilled at 0.15 s per token, more than the 0.1 s the plain steps show: batch 2's
     k = 2 step is 1.2 + 0.15 * 3 = 1.65 s, goodput 2 * 1.96 / 1.65 = 2.3758 against 1.8182 (1.307x):
     on. At 0.2 s per token, 1.8 s: 2.1778 (1.198x): off. Prefill steps under 32 tokens are not timed."""
-    ctrl = AdaptiveSpeculation(2, ema=1.0)
+    ctrl = AdaptiveSpeculation(2, ema=1.0, min_gain=1.3)
     ctrl.observe_step(1, 0, 1.0)
     ctrl.observe_step(1, 2, 1.2)
     ctrl.observe_step(2, 0, 1.1)
@@ -220,7 +220,7 @@ def test_first_measurement_after_the_draft_followed_needs_only_keep_gain():
     twice, the second timed) and kept while it beats k = 0 by keep_gain (1.05), not min_gain (1.3):
     that prefill is sunk. A bucket whose k was timed without that exploration still needs 1.3."""
     def fresh():
-        return AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9)
+        return AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9, min_gain=1.3, reexplore_interval=10**9)
 
     e1 = fresh().expected_tokens(1)                # 1.6 with the prior alone
     for batch in (1, 3):                           # batch 3: no smaller batch has measured k = 1
@@ -243,8 +243,8 @@ def test_first_measurement_after_the_draft_followed_needs_only_keep_gain():
 
 
 def test_hysteresis():
-    """Speculation switches on above min_gain (1.3) and stays on down to keep_gain (1.05)."""
-    ctrl = AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9)
+    """Speculation switches on above min_gain (1.3 here) and stays on down to keep_gain (1.05)."""
+    ctrl = AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9, min_gain=1.3, reexplore_interval=10**9)
     e1 = ctrl.expected_tokens(1)                  # 1.6 with the prior alone
     ctrl.observe_step(1, 0, 1.0)
     ctrl.observe_step(1, 1, e1 / 1.2)             # 1.2x: not enough to switch on
@@ -279,7 +279,7 @@ def test_unmeasurable_speculation_is_not_explored():
     """While the draft does not follow every sequence of the batch, a k > 0 step could not be timed
     as k's cost: an unmeasured k > 0 is not tried (k = 0 runs), and a pending exploration of it is
     dropped; once every sequence can draft, it is measured."""
-    ctrl = AdaptiveSpeculation(2)
+    ctrl = AdaptiveSpeculation(2, min_gain=1.3)
     assert ctrl.choose(16, all_can_draft=False) == 0          # k = 0 is measured first anyway
     ctrl.observe_step(16, 0, 1.0)
     ctrl.observe_step(16, 0, 1.0)
@@ -349,3 +349,27 @@ def test_measured_gain_is_the_best_timed_k_over_plain():
     ctrl.observe_step(1, 2, 0.030)
     gain, k = ctrl.measured_gain(1)
     assert k == 2 and gain == pytest.approx(ctrl.expected_tokens(2) / 0.030 / (1 / 0.020))
+
+
+def test_an_off_decision_on_the_prior_acceptance_is_measured_again():
+    """One exploration at batch 1 leaves two acceptance observations: an off decision then rests on
+    the prior, so the best k > 0 is measured again every reexplore_interval steps until enough
+    drafts were verified; after that an off decision stands."""
+    ctrl = AdaptiveSpeculation(2, ema=1.0, decay=1.0, explore_interval=10**9, prior_acceptance=0.1)
+    for k, t in ((0, 1.0), (0, 1.0), (2, 2.0), (2, 2.0)):     # the two ends, explored twice each
+        assert ctrl.choose(1) == k
+        if k:
+            ctrl.observe_acceptance([(2, 0)])
+        ctrl.observe_step(1, k, t)
+    chosen = []
+    for _ in range(80):
+        k = ctrl.choose(1)
+        chosen.append(k)
+        if k:
+            ctrl.observe_acceptance([(2, 0)])          # drafts keep being rejected
+        ctrl.observe_step(1, k, 2.0 if k else 1.0)
+    assert chosen[:ctrl.reexplore_interval - 5].count(0) == ctrl.reexplore_interval - 5   # off meanwhile
+    assert sum(k > 0 for k in chosen) >= 2                     # measured again
+    verified = 2 + sum(k > 0 for k in chosen)
+    assert verified <= ctrl.min_acceptance_observations + 2    # and no longer once the estimate is its own
+    assert all(k == 0 for k in chosen[-ctrl.reexplore_interval:])

@@ -17,13 +17,22 @@ before any measurement the bucket tries k = 0 and the configured maximum first. 
 ``explore_margin`` of the bar it must clear, so estimates follow a growing context.
 
 Speculation switches on in a bucket only where its estimated goodput beats k = 0's by ``min_gain``
-(1.3) and, once on, stays on while it beats it by ``keep_gain`` (1.05): single k > 0 step times
+(1.15) and, once on, stays on while it beats it by ``keep_gain`` (1.05): single k > 0 step times
 vary by +-15% on a busy CPU, and one threshold between them made a batch-1 server flip
 speculation off on noise, while a low single threshold let it run where it barely paid and the
 draft's prompt prefill then made the server slower. A bucket whose maximum k is measured for the
 first time after the draft has prefilled every sequence of the batch counts as on: that prefill
 is paid. (Serving run H, 1.5B target, 0.5B draft: at batch 4 the draft prefilled the batch, k = 2
-ran 3 steps, and the 1.3 bar switched it off, throwing the prefill away.)
+ran 3 steps, and the 1.3 bar switched it off, throwing the prefill away.) The bar was 1.3 while a
+0.5B draft cost 0.4-1.0 of a target step; with the fused layer it costs a third, k = 3 steps of the
+README's main job measured 1.3x plain, right at that bar, and speculation stayed off (0.98x plain
+end to end, 2026-12-07): now 1.15.
+
+While speculation is off its estimates freeze (no drafts, no acceptance counts, no k > 0 times),
+so an off decision made on the prior acceptance after one exploration (two verify steps at batch
+1) would last forever. While fewer than ``min_acceptance_observations`` drafts have been verified,
+a bucket that is off measures its best k > 0 again every ``reexplore_interval`` steps (two steps
+each time), until the acceptance estimate rests on its own observations.
 
 The draft's prefill of each new prompt is not part of a decode step, yet it is the largest cost
 of speculating in a busy server (for a 0.5B draft of a 1.5B target, a third of the target's own
@@ -74,6 +83,10 @@ class AdaptiveSpeculation:
         explore_interval: decode steps of a bucket between re-measurements of the runner-up.
         explore_margin: the runner-up is re-measured only if its estimated goodput is at least this
             fraction of the best one's.
+        reexplore_interval / min_acceptance_observations: while speculation is off and fewer
+            than ``min_acceptance_observations`` drafts have been verified (the acceptance estimate
+            is still mostly its prior), the best k > 0 is measured again every
+            ``reexplore_interval`` decode steps of the bucket, whatever its estimate.
         min_gain: speculation switches on in a bucket only where its estimated goodput beats no
             speculation's by this factor, a margin for measurement noise and for costs outside
             decode steps (the draft's prompt prefill is also weighed per request, by
@@ -89,7 +102,9 @@ class AdaptiveSpeculation:
     decay: float = 0.98
     explore_interval: int = 16
     explore_margin: float = 0.9
-    min_gain: float = 1.3
+    reexplore_interval: int = 16
+    min_acceptance_observations: int = 8
+    min_gain: float = 1.15
     keep_gain: float = 1.05
     prior_acceptance: float = 0.6
     _buckets: dict[int, _Bucket] = field(default_factory=dict)
@@ -324,6 +339,9 @@ class AdaptiveSpeculation:
         scores = {k: self.goodput(batch_size, k) for k in range(self.max_k + 1)}
         best = self._best([scores[k] for k in range(self.max_k + 1)], bucket.speculating)
         bucket.speculating = best > 0
+        if (best == 0 and all_can_draft and self._drafted[0] < self.min_acceptance_observations
+                and bucket.steps % self.reexplore_interval == self.reexplore_interval - 1):
+            return self._start_explore(bucket, max(range(1, self.max_k + 1), key=lambda k: scores[k] or 0.0))
         if bucket.steps % self.explore_interval == self.explore_interval - 1:
             runner_up = self._runner_up(scores, best)
             if runner_up is not None and (runner_up == 0 or all_can_draft):
