@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pathlib import Path
 
 from specserve.entrypoints.cli import main
 from tests.tiny_models import make_tiny_model
@@ -39,8 +40,18 @@ def test_bench_json_has_positive_figures(tiny_bench_model, tmp_path, capsys):
     assert res["config"]["num_prompts"] == 2 and res["machine"]["torch_threads"] >= 1
     pre = res["prefill"]["specserve"]
     assert pre["tokens"] == 40 and len(pre["tok_s"]) == 3 and all(_positive(r) for r in pre["tok_s"])
+    (bd,) = res["decode_breakdown"]
+    cfg = json.loads((Path(tiny_bench_model) / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    # float16 entries (the default) of keys and values, every layer, the context and the new token
+    kv_bytes = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * (20 + 1)
+    assert bd["role"] == "target" and bd["context_len"] == 20 and bd["kv_mb"] * 1e6 == pytest.approx(kv_bytes)
+    assert 0 < bd["linear_ms"] < bd["step_ms"] and bd["outside_ms"] == pytest.approx(bd["step_ms"] - bd["linear_ms"])
+    assert bd["weight_mb"] > 0 and bd["floor_ms"] == pytest.approx(
+        (bd["weight_mb"] + bd["kv_mb"]) * 1e6 / (bd["bandwidth_gbs"] * 1e9) * 1e3)
     printed = capsys.readouterr().out
     assert "| specserve |" in printed and "V(k)" in printed and "prefill of 40-token prompts" in printed
+    assert "| target | 20 |" in printed
 
 
 def test_prefill_prompts_share_no_first_block():
@@ -89,7 +100,10 @@ def test_bench_measures_speculation_in_the_same_run(tiny_bench_model, tmp_path, 
         assert r["agreement_with_no_speculation"]["identical_prompts"] == 2
         assert r["spec_decode"]["acceptance_rate"] == 1.0 and r["spec_decode"]["mean_acceptance_length"] > 2
         assert _positive(r["speedup_decode_median"])
-    assert "identical to no speculation" in capsys.readouterr().out
+    draft = runs[0]["draft_breakdown"]   # the draft model's own decode step
+    assert draft["role"] == "draft" and draft["context_len"] == 10 and 0 < draft["linear_ms"] < draft["step_ms"]
+    printed = capsys.readouterr().out
+    assert "identical to no speculation" in printed and "| draft | 10 |" in printed
 
 
 def test_bench_methods_side_by_side(tiny_qwen2_dir, trained_tiny_head, tmp_path, capsys):

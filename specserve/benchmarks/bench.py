@@ -223,9 +223,26 @@ def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list
         r["speedup_decode_median"] = r["summary"]["decode_tok_s_median"] / baseline["summary"]["decode_tok_s_median"]
         r["speedup_e2e_aggregate"] = r["summary"]["e2e_tok_s_aggregate"] / baseline["summary"]["e2e_tok_s_aggregate"]
         runs.append(r)
+    proposer = getattr(engine.worker, "proposer", None)
+    if getattr(proposer, "runner", None) is not None:   # a draft model: its decode step, as the target's
+        runs[0]["draft_breakdown"] = step_breakdown(engine, proposer.runner, "draft", args.context_len)
     del engine
     gc.collect()
     return runs
+
+
+def step_breakdown(engine, runner, role: str, context_len: int) -> dict:
+    """One decode step of ``runner``'s model at ``context_len``: time in the linears and outside,
+    bytes read and the floor they set (:func:`specserve.benchmarks.host_overhead.decode_breakdown`)."""
+    from specserve.benchmarks.host_overhead import decode_breakdown, read_bandwidth_gbs
+
+    seq = VK_SEQ_ID - 1
+    engine.block_manager.allocate(seq, context_len + 1)
+    try:
+        return {"role": role, **decode_breakdown(runner, engine.block_manager.block_table(seq), context_len,
+                                                 read_bandwidth_gbs(256), repeats=20)}
+    finally:
+        engine.block_manager.free(seq)
 
 
 def _run_engine_batch(engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[dict], dict]:
@@ -515,6 +532,17 @@ def render_markdown(result: dict) -> str:
               "| --- |" + " --- |" * len(vk["vk"]),
               "| V(k) | " + " | ".join(f"{e['v']:.2f}" for e in vk["vk"]) + " |",
               "| t(k+1) ms | " + " | ".join(f"{e['t_ms_median']:.0f}" for e in vk["vk"]) + " |"]
+    rows = list(result.get("decode_breakdown") or []) + [r["draft_breakdown"] for r in result.get("speculative") or []
+                                                          if "draft_breakdown" in r]
+    if rows:
+        lines += ["", "one decode step (forward + logits): time in the linear kernels and outside, bytes read, and the "
+                  "floor bytes / streaming read sets:", "",
+                  "| model | context | step ms | linears ms | outside ms | weights + KV MB | read GB/s | floor ms |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in rows:
+            lines.append(f"| {r['role']} | {r['context_len']} | {r['step_ms']:.2f} | {r['linear_ms']:.2f} | "
+                         f"{r['outside_ms']:.2f} | {r['weight_mb']:.0f} + {r['kv_mb']:.1f} | {r['bandwidth_gbs']:.1f} | "
+                         f"{r['floor_ms']:.2f} |")
     pre = result.get("prefill")
     if pre:
         ours = pre["specserve"]
@@ -656,6 +684,7 @@ def run_bench(args: argparse.Namespace) -> int:
     while len(context) < args.context_len:
         context += context or [0]
     result["vk"] = measure_vk(engine, context[:args.context_len], args.max_k, args.repeats)
+    result["decode_breakdown"] = [step_breakdown(engine, engine.runner, "target", args.context_len)]
     loads["after_vk"] = load_average()
     prefill = prefill_prompts(context, args.prefill_len) if args.prefill_len else []
     if prefill:
