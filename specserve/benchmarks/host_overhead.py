@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
@@ -193,6 +194,30 @@ def run_decode_breakdown(args) -> list[dict]:
     return rows
 
 
+def plot_breakdown(rows: list[dict], path: str) -> str | None:
+    """Stacked bars per model and context: the linears and the rest of a step, the floor marked.
+    Returns a note instead of a plot where matplotlib is missing."""
+    from specserve.benchmarks.plotting import load_pyplot
+
+    plt, note = load_pyplot(path)
+    if plt is None:
+        return note
+    labels = [f"{r['role']}\nctx {r['context_len']}" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))
+    ax.bar(x, [r["linear_ms"] for r in rows], label="linear kernels")
+    ax.bar(x, [r["outside_ms"] for r in rows], bottom=[r["linear_ms"] for r in rows], label="everything else")
+    ax.scatter(x, [r["floor_ms"] for r in rows], marker="_", s=900, color="black", zorder=3,
+               label=f"floor: bytes / {rows[0]['bandwidth_gbs']:.0f} GB/s")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -208,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="int4")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--contexts", default="100,1000")
+    p.add_argument("--plot", default=None, help="--decode-breakdown: also a bar chart (PNG) of the steps")
     args = p.parse_args(argv)
     if args.decode_breakdown:
         rows = run_decode_breakdown(args)
@@ -215,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.json, {"model": args.model, "draft": args.draft, "quantization": args.quantization,
                                    "kv_cache_dtype": args.kv_cache_dtype, "draft_vocab_size": args.draft_vocab_size,
                                    "rows": rows})
+        if args.plot:
+            note = plot_breakdown(rows, args.plot)
+            print(note or f"plot written to {args.plot}", file=sys.stderr)
         return 0
     methods = {
         "none": None,
