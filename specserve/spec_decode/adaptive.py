@@ -371,11 +371,16 @@ class AdaptiveSpeculation:
         bucket = self._bucket(batch_size)
         bucket.steps += 1
         self.chosen_counts[k] += 1
+        first_of_two = False
         if bucket.explore == k and bucket.explore_left > 0:
+            first_of_two = bucket.explore_left == 2 and bucket.arms[k].time_per_seq_s is None
             bucket.explore_left -= 1
             if bucket.explore_left == 0:
                 bucket.explore = None
-        if not steady:
+        # An arm's very first step is not timed (its exploration runs it twice, the second timed):
+        # it may pay one-off costs (the first one-row forward after a prefill, the draft's first
+        # steps), and the EMA would keep a first estimate far off for many steps.
+        if not steady or first_of_two:
             return
         arm = bucket.arms[k]
         bucket.batch_size = self._ema(bucket.batch_size or None, float(batch_size))
