@@ -444,3 +444,16 @@ def test_quantized_smollm2_gguf_speculation_exact(smollm2_gguf):
                                    "adaptive": False, "draft_quantization": "int8"})
     assert _ids(spec.generate(texts, params)) == reference
     assert spec.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_kernels_find_their_cache_without_importing_the_models():
+    """specserve.kernels sits below specserve.models: finding the build cache must not import the
+    loader (an import circle models -> attention -> kernels -> models before)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pathlib, specserve.kernels as k; "
+            "k.build_directory(pathlib.Path(k.__file__).with_name('paged_attention.cpp'), [], 'x'); "
+            "print(sorted(m for m in sys.modules if m.startswith('specserve.models')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -154,7 +154,7 @@ def build_attention_ops(source: Path = _ATTENTION_SOURCE):
 def build_directory(source: Path, flags: list[str], stem: str) -> Path:
     """Where ``source`` built with ``flags`` lives: ``<cache>/kernels/<stem>-<key>``, the key a
     hash of the source, the shared headers beside it, torch's version and the flags."""
-    from specserve.models.loader import default_cache_dir
+    from specserve.cache_dir import default_cache_dir
 
     headers = b"".join(h.read_bytes() for h in sorted(Path(__file__).parent.glob("*.h")))   # included by every source
     key = hashlib.sha256(source.read_bytes() + headers + torch.__version__.encode() + " ".join(flags).encode()).hexdigest()[:16]

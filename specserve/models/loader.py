@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specserve.cache_dir import default_cache_dir  # re-exported: the loader's public name
 from specserve.config import ModelConfig
 from specserve.models import gguf_loader, registry
 from specserve.models.gguf_loader import GGUFFormatError
@@ -64,12 +65,6 @@ class LoadedModel:
     tokenizer: "transformers.PreTrainedTokenizerBase"
     source: str
     load_stats: dict = field(default_factory=dict)
-
-
-def default_cache_dir() -> str:
-    """``$SPECSERVE_CACHE`` if set, else ``~/.cache/specserve`` (not created here)."""
-    env = os.environ.get("SPECSERVE_CACHE")
-    return os.path.expanduser(env) if env else os.path.join(os.path.expanduser("~"), ".cache", "specserve")
 
 
 # --------------------------------------------------------------------------------------- dispatch

@@ -42,7 +42,7 @@ def frequent_token_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
 def corpus_token_counts(tokenizer, vocab_size: int) -> torch.Tensor:
     """``[vocab_size]`` int64: how often each token occurs in the corpus (see the module doc),
     cached under ``<cache>/draft_vocab/`` by a hash of the tokenizer's vocabulary."""
-    from specserve.models.loader import default_cache_dir
+    from specserve.cache_dir import default_cache_dir
     from specserve.training.corpus import source_documents, spec_bench_train_questions
 
     vocab = tokenizer.get_vocab()

@@ -171,7 +171,7 @@ def hidden_states_dir(data_dir: str | None, target: str) -> Path:
     ``<cache>/head-data/<target>`` (``$SPECSERVE_CACHE`` or ``~/.cache/specserve``), which outlives a
     checkout as the converted weights do. A folder at the old default, ``./head-data/<target>``, is
     used while the cache has none (hours of precomputation are not started over)."""
-    from specserve.models.loader import default_cache_dir
+    from specserve.cache_dir import default_cache_dir
     from specserve.training.hidden_states import MANIFEST
 
     if data_dir is not None:
