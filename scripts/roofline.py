@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from specserve.benchmarks.host_overhead import read_bandwidth_gbs
 from specserve.kernels import build_quant_ops, cpu_runs_512bit_at_full_width, quant_ops
 from specserve.models.quantization import quantize
 from specserve.models.weight_packing import PackedWeight
@@ -55,17 +56,6 @@ def dot_peak(ops) -> float:
         t = time.perf_counter()
         macs = ops.int8_dot_peak(iters)
         best = max(best, macs / (time.perf_counter() - t) / 1e9)
-    return best
-
-
-def bandwidth(ops) -> float:
-    """GB/s of one streaming read over 1 GiB (best of 5)."""
-    buf = torch.ones(1 << 30, dtype=torch.uint8)
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        ops.stream_read(buf)
-        best = max(best, buf.numel() / (time.perf_counter() - t) / 1e9)
     return best
 
 
@@ -140,7 +130,7 @@ def main():
         from kernel_bench import build_other, other_source   # scripts/kernel_bench.py
         old = (build_other(args.against) if args.isa == "native"
                else build_quant_ops(source=other_source(args.against), **isa[args.isa]))
-    peak, bw = dot_peak(ops), bandwidth(ops)
+    peak, bw = dot_peak(ops), read_bandwidth_gbs(1024, ops=ops)
     lanes = ops.tile_shapes()[0]
     print(f"CPU: {cpu_name()}; threads {args.threads}; build {args.isa}, kernels on {lanes * 32}-bit vectors "
           f"(512-bit at full width: {cpu_runs_512bit_at_full_width()})")

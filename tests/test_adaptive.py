@@ -220,7 +220,7 @@ def test_first_measurement_after_the_draft_followed_needs_only_keep_gain():
     twice, the second timed) and kept while it beats k = 0 by keep_gain (1.05), not min_gain (1.3):
     that prefill is sunk. A bucket whose k was timed without that exploration still needs 1.3."""
     def fresh():
-        return AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9, min_gain=1.3, reexplore_interval=10**9)
+        return AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9, min_gain=1.3)
 
     e1 = fresh().expected_tokens(1)                # 1.6 with the prior alone
     for batch in (1, 3):                           # batch 3: no smaller batch has measured k = 1
@@ -244,7 +244,7 @@ def test_first_measurement_after_the_draft_followed_needs_only_keep_gain():
 
 def test_hysteresis():
     """Speculation switches on above min_gain (1.3 here) and stays on down to keep_gain (1.05)."""
-    ctrl = AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9, min_gain=1.3, reexplore_interval=10**9)
+    ctrl = AdaptiveSpeculation(1, ema=1.0, decay=1.0, explore_interval=10**9, min_gain=1.3)
     e1 = ctrl.expected_tokens(1)                  # 1.6 with the prior alone
     ctrl.observe_step(1, 0, 1.0)
     ctrl.observe_step(1, 1, e1 / 1.2)             # 1.2x: not enough to switch on
@@ -353,9 +353,10 @@ def test_measured_gain_is_the_best_timed_k_over_plain():
 
 def test_an_off_decision_on_the_prior_acceptance_is_measured_again():
     """One exploration at batch 1 leaves two acceptance observations: an off decision then rests on
-    the prior, so the best k > 0 is measured again every reexplore_interval steps until enough
-    drafts were verified; after that an off decision stands."""
-    ctrl = AdaptiveSpeculation(2, ema=1.0, decay=1.0, explore_interval=10**9, prior_acceptance=0.1)
+    the prior, so the best k > 0 is measured again at every runner-up re-measurement (every
+    explore_interval steps), whatever its estimate, until enough drafts were verified; after that an
+    off decision stands."""
+    ctrl = AdaptiveSpeculation(2, ema=1.0, decay=1.0, explore_interval=16, explore_margin=10.0, prior_acceptance=0.1)
     for k, t in ((0, 1.0), (0, 1.0), (2, 2.0), (2, 2.0)):     # the two ends, explored twice each
         assert ctrl.choose(1) == k
         if k:
@@ -368,8 +369,8 @@ def test_an_off_decision_on_the_prior_acceptance_is_measured_again():
         if k:
             ctrl.observe_acceptance([(2, 0)])          # drafts keep being rejected
         ctrl.observe_step(1, k, 2.0 if k else 1.0)
-    assert chosen[:ctrl.reexplore_interval - 5].count(0) == ctrl.reexplore_interval - 5   # off meanwhile
+    assert chosen[:ctrl.explore_interval - 5].count(0) == ctrl.explore_interval - 5   # off meanwhile
     assert sum(k > 0 for k in chosen) >= 2                     # measured again
     verified = 2 + sum(k > 0 for k in chosen)
     assert verified <= ctrl.min_acceptance_observations + 2    # and no longer once the estimate is its own
-    assert all(k == 0 for k in chosen[-ctrl.reexplore_interval:])
+    assert all(k == 0 for k in chosen[-ctrl.explore_interval:])

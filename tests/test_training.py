@@ -15,7 +15,8 @@ from specserve.entrypoints.llm import LLM
 from specserve.models.draft_head import target_layer_tensors
 from specserve.models.loader import load_model
 from specserve.training.corpus import is_validation, stdlib_documents
-from specserve.training.dataset import HiddenStateDataset, frequent_token_vocab
+from specserve.spec_decode.draft_vocab import frequent_token_vocab
+from specserve.training.dataset import HiddenStateDataset
 from specserve.training.hidden_states import PrecomputeSettings, bytes_per_token, precompute_hidden_states
 from specserve.training.trainer import TrainConfig, lr_at, return_freed_memory_to_the_os, train_head
 

@@ -21,7 +21,7 @@ from specserve.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 # the KV-cache dtypes the kernels read (``--kv-cache-dtype``)
-KERNEL_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+KERNEL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _unavailable: str | None = None   # why the kernel cannot run in this process, once known
 
 
@@ -122,7 +122,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def fused_available(self, key_cache: torch.Tensor) -> bool:
         """Whether :meth:`run_fused` serves this cache here (the kernel, a CPU cache, head_dim % 16 == 0)."""
         return (self.allowed and self.head_dim % 16 == 0 and key_cache.device.type == "cpu"
-                and key_cache.dtype in KERNEL_CACHE_DTYPES.values() and key_cache.is_contiguous() and _kernel() is not None)
+                and key_cache.dtype in KERNEL_CACHE_DTYPES and key_cache.is_contiguous() and _kernel() is not None)
 
     def run_fused(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -149,5 +149,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
     @staticmethod
     def _serves(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         return (query.shape[0] > 0 and query.device.type == "cpu" and key_cache.device.type == "cpu"
-                and query.dtype == torch.float32 and key_cache.dtype in KERNEL_CACHE_DTYPES.values() and key_cache.is_contiguous()
+                and query.dtype == torch.float32 and key_cache.dtype in KERNEL_CACHE_DTYPES and key_cache.is_contiguous()
                 and not (torch.is_grad_enabled() and query.requires_grad))

@@ -104,12 +104,12 @@ def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
             "host_ms": 1e3 * statistics.median(s[1] for s in steps)}
 
 
-def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5) -> float:
-    """GB/s of one streaming read of ``megabytes`` MB on every thread (best of ``repeats``; our
-    kernels' ``stream_read``, the loads the matmuls issue)."""
+def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5, ops=None) -> float:
+    """GB/s of one streaming read of ``megabytes`` MB on every thread (best of ``repeats``; the
+    kernels' ``stream_read``, the loads the matmuls issue; ``ops``: a kernel build, default ours)."""
     from specserve.kernels import quant_ops
 
-    ops = quant_ops()
+    ops = ops or quant_ops()
     buf = torch.ones(megabytes << 20, dtype=torch.uint8)
     best = 0.0
     for _ in range(repeats):

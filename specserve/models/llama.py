@@ -46,8 +46,6 @@ def fused_layer_ops(config: ModelConfig, dtype: torch.dtype, device: torch.devic
     Returns:
         ``(ops, None)`` or ``(None, reason)``.
     """
-    import os
-
     from specserve.kernels import KernelUnavailableError, attention_ops, quant_ops
 
     if os.environ.get("SPECSERVE_FUSED", "1") == "0":
@@ -178,13 +176,10 @@ class DecoderLayer(nn.Module):
         hidden, *x = ops.rms_norm_rows(hidden, delta, ln1, eps, q1)
         qkv = _apply(qkv_proj, x)
         attn = self.attn.run_fused(qkv, positions, cos, sin, key_cache, value_cache, plan)
-        o = _apply(o_proj, [attn.view(T, self.q_size)])
-        if self.tp is not None:
-            o = self.tp.all_reduce(o)
+        o = self._reduce(_apply(o_proj, [attn.view(T, self.q_size)]))
         hidden, *x = ops.rms_norm_rows(hidden, o, ln2, eps, q2)
         x = ops.silu_mul_rows(_apply(gate_up_proj, x), q3)
-        down = _apply(down_proj, x)
-        return hidden, down if self.tp is None else self.tp.all_reduce(down)
+        return hidden, self._reduce(_apply(down_proj, x))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -240,8 +235,6 @@ class LlamaForCausalLM(nn.Module):
             head = head.select_rows(lm_head_rows) if hasattr(head, "select_rows") else head.index_select(0, lm_head_rows)
         self.lm_head = make_linear([head], None, quantization, "lm_head.weight")
         if quantization != "none":
-            from specserve.models.linear import QuantizedLinear
-
             packed = [m for m in self.modules() if isinstance(m, QuantizedLinear)]
             logger.info("packed %d %s linears for the kernels in %.1f s: %.1f MB (16-row groups, padding included)",
                         len(packed), quantization, time.perf_counter() - t0, sum(m.nbytes for m in packed) / 1e6)

@@ -35,6 +35,7 @@ class TargetInfo:
     lm_head: Any
     kv_cache_dtype: torch.dtype | None = None   # a draft model's KV cache (default: ``dtype``)
 
+
 def check_same_tokenizer(target_tok, draft_tok, draft_name: str) -> None:
     """Raise ``ValueError`` unless both tokenizers map every token string to the same id."""
     t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()

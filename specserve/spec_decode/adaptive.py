@@ -30,9 +30,9 @@ end to end, 2026-12-07): now 1.15.
 
 While speculation is off its estimates freeze (no drafts, no acceptance counts, no k > 0 times),
 so an off decision made on the prior acceptance after one exploration (two verify steps at batch
-1) would last forever. While fewer than ``min_acceptance_observations`` drafts have been verified,
-a bucket that is off measures its best k > 0 again every ``reexplore_interval`` steps (two steps
-each time), until the acceptance estimate rests on its own observations.
+1) would last forever. So while fewer than ``min_acceptance_observations`` drafts have been
+verified, the runner-up re-measurement of a bucket that is off takes its best k > 0 whatever its
+estimate, until the acceptance estimate rests on its own observations.
 
 The draft's prefill of each new prompt is not part of a decode step, yet it is the largest cost
 of speculating in a busy server (for a 0.5B draft of a 1.5B target, a third of the target's own
@@ -83,10 +83,9 @@ class AdaptiveSpeculation:
         explore_interval: decode steps of a bucket between re-measurements of the runner-up.
         explore_margin: the runner-up is re-measured only if its estimated goodput is at least this
             fraction of the best one's.
-        reexplore_interval / min_acceptance_observations: while speculation is off and fewer
-            than ``min_acceptance_observations`` drafts have been verified (the acceptance estimate
-            is still mostly its prior), the best k > 0 is measured again every
-            ``reexplore_interval`` decode steps of the bucket, whatever its estimate.
+        min_acceptance_observations: while fewer drafts than this have been verified (the
+            acceptance estimate is still mostly its prior), a bucket with speculation off measures
+            its best k > 0 again at every runner-up re-measurement, whatever its estimate.
         min_gain: speculation switches on in a bucket only where its estimated goodput beats no
             speculation's by this factor, a margin for measurement noise and for costs outside
             decode steps (the draft's prompt prefill is also weighed per request, by
@@ -102,7 +101,6 @@ class AdaptiveSpeculation:
     decay: float = 0.98
     explore_interval: int = 16
     explore_margin: float = 0.9
-    reexplore_interval: int = 16
     min_acceptance_observations: int = 8
     min_gain: float = 1.15
     keep_gain: float = 1.05
@@ -339,9 +337,6 @@ class AdaptiveSpeculation:
         scores = {k: self.goodput(batch_size, k) for k in range(self.max_k + 1)}
         best = self._best([scores[k] for k in range(self.max_k + 1)], bucket.speculating)
         bucket.speculating = best > 0
-        if (best == 0 and all_can_draft and self._drafted[0] < self.min_acceptance_observations
-                and bucket.steps % self.reexplore_interval == self.reexplore_interval - 1):
-            return self._start_explore(bucket, max(range(1, self.max_k + 1), key=lambda k: scores[k] or 0.0))
         if bucket.steps % self.explore_interval == self.explore_interval - 1:
             runner_up = self._runner_up(scores, best)
             if runner_up is not None and (runner_up == 0 or all_can_draft):
@@ -350,12 +345,14 @@ class AdaptiveSpeculation:
 
     def _runner_up(self, scores: dict[int, float], best: int) -> int | None:
         """The k worth measuring again: the next best, if its estimate comes within
-        ``explore_margin`` of the bar it must clear (the best's goodput, or min_gain times k = 0's)."""
+        ``explore_margin`` of the bar it must clear (the best's goodput, or min_gain times k = 0's),
+        or, with speculation off, whatever its estimate while acceptance is mostly the prior's."""
         others = sorted((k for k in scores if k != best), key=lambda k: -scores[k])
         if not others:
             return None
         bar = scores[best] * (self.min_gain if best == 0 else 1.0)   # k = 0 best: speculation is off
-        return others[0] if scores[others[0]] >= self.explore_margin * bar else None
+        prior_only = best == 0 and self._drafted[0] < self.min_acceptance_observations
+        return others[0] if prior_only or scores[others[0]] >= self.explore_margin * bar else None
 
     @staticmethod
     def _start_explore(bucket: _Bucket, k: int) -> int:

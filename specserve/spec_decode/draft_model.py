@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.spec_decode.draft_vocab import to_target_logits
 from specserve.spec_decode.proposer import ChainProposer
 from specserve.worker.model_runner import ModelInput, ModelRunner
 from specserve.worker.step import StepBatch
@@ -49,8 +50,7 @@ class DraftModelProposer(ChainProposer):
         (a reduced vocabulary's logits scattered to their target ids, the rest at -inf)."""
         rows = self.runner.model.lm_head_rows
         if rows is not None:
-            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-            return full.index_copy_(1, rows, logits)
+            return to_target_logits(logits, rows, self.vocab_size)
         v = logits.shape[-1]
         if v >= self.vocab_size:
             return logits[:, :self.vocab_size]

@@ -39,6 +39,13 @@ def frequent_token_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order.sort().values
 
 
+def to_target_logits(logits: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a reduced vocabulary ``[N, n]`` -> ``[N, vocab_size]``: each at its target id
+    (``draft_to_target [n]`` int64), every other token at -inf (never proposed, probability 0)."""
+    full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+    return full.index_copy_(1, draft_to_target.to(logits.device), logits)
+
+
 def corpus_token_counts(tokenizer, vocab_size: int) -> torch.Tensor:
     """``[vocab_size]`` int64: how often each token occurs in the corpus (see the module doc),
     cached under ``<cache>/draft_vocab/`` by a hash of the tokenizer's vocabulary."""

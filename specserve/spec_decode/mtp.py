@@ -28,6 +28,7 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.kv_cache.kv_cache import KVCache
 from specserve.models.draft_head import DraftHead, PagedKV
 from specserve.sample.sampler import SamplingMetadata, compute_probs, draw
+from specserve.spec_decode.draft_vocab import to_target_logits
 from specserve.spec_decode.proposer import ChainProposer, DraftProposal
 from specserve.worker.step import StepBatch
 
@@ -137,9 +138,7 @@ class MTPProposer(ChainProposer):
             logits = self.head.compute_logits(head_hidden)
         if logits.shape[-1] == self.vocab_size and self.head.config.draft_vocab_size is None:
             return logits
-        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        full[:, self.head.draft_to_target] = logits
-        return full
+        return to_target_logits(logits, self.head.draft_to_target, self.vocab_size)
 
     def catch_up(self, batch: StepBatch) -> int:
         rows_h, tokens, starts, todo, lens, tables = [], [], [], [], [], []

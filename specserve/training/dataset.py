@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from specserve.spec_decode.draft_vocab import frequent_token_vocab  # noqa: F401 (re-exported)
 from specserve.training.corpus import is_validation, order_key
 from specserve.training.hidden_states import read_manifest
 

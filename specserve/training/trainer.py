@@ -54,7 +54,8 @@ from tqdm import tqdm
 
 from specserve.models.draft_head import DraftHead, DraftHeadConfig
 from specserve.results import write_json
-from specserve.training.dataset import Batch, HiddenStateDataset, frequent_token_vocab
+from specserve.spec_decode.draft_vocab import frequent_token_vocab
+from specserve.training.dataset import Batch, HiddenStateDataset
 
 
 @dataclass
