@@ -8,13 +8,14 @@
 #
 # A training run resumes from its checkpoint.pt after an interruption and is skipped once its head
 # is written; an evaluation is skipped once its JSON exists. Make the folder first (the command of
-# "Piece 7" in BENCHMARKS.md, itself resumable). Environment: DATA (the folder), RUNS (where the
-# heads go), TOKENS_PER_STEP (the folder's mean tokens per step of 4 x 512-token segments, printed
-# by train-head; 1,500 for answers + sources), EVAL_PROMPTS (HumanEval 0..n-1), EVAL_SPECBENCH,
-# MIXED (the training's --mixed-precision; default bfloat16 where the CPU has it, else none),
-# PIECES (default "scaling norm": the data-scaling rows, then the normed / eagle rows at 500k; name
-# one of them to run only it, e.g. on a machine that has the folder but not the other piece's heads),
-# VARIANTS (default "normed eagle": the norm / no-norm heads the "norm" piece trains, in that order).
+# "Piece 7" in docs/history/benchmarks-before-packing.md, itself resumable). Environment: DATA (the
+# folder), RUNS (where the heads go), TOKENS_PER_STEP (the folder's mean tokens per step of 4 x
+# 512-token segments, printed by train-head; 1,500 for answers + sources), EVAL_PROMPTS (HumanEval
+# 0..n-1), EVAL_SPECBENCH, MIXED (the training's --mixed-precision; default bfloat16 where the CPU
+# has it, else none), PIECES (default "scaling norm": the data-scaling rows, then the normed / eagle
+# rows at 500k; name one of them to run only it, e.g. on a machine that has the folder but not the
+# other piece's heads), VARIANTS (default "normed eagle": the norm / no-norm heads the "norm" piece
+# trains, in that order).
 # Run it alone: two torch processes on two cores slow each other far more than 2x.
 #
 # Every result is also copied into the checkout as soon as it exists (RESULTS, default

@@ -19,7 +19,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Defaults of the engine and the command line, in one place.
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"  # drafts for DEFAULT_MODEL (same tokenizer)
-DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # best k measured by `specserve bench` (BENCHMARKS.md, "Fused decoder layer")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3  # best k measured by `specserve bench` (BENCHMARKS.md, "Decode beside llama.cpp")
 DEFAULT_QUANTIZATION = "int4"  # the command line's: the fastest mode whose quality holds (BENCHMARKS.md)
 DTYPES = ("float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
