@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from specserve.entrypoints.openai.api_server import ServerState, build_app, make_server_state
+from specserve.entrypoints.openai.api_server import build_app
+from specserve.entrypoints.openai.server_state import ServerState, make_server_state
 
 
 def free_port() -> int:
