@@ -7,6 +7,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from specserve.worker.step import StepResult
 from tests.conftest import requires_smollm2
 
 TEXTS = ["def f(x):\n    return x * 2  # doubled\n", "naïve café — 東京 🎉🎉 ok", "a\u200bb\tc  \n\n  end",
@@ -97,8 +98,11 @@ def test_stop_string_across_token_boundaries(tiny_qwen2_dir, stop):
     engine = llm.llm_engine
     engine.add_request("r", [3], SamplingParams(max_tokens=len(ids) + 1, stop=[stop], ignore_eos=True))
     req = engine.requests["r"][0]
-    for t in ids:   # feed a fixed continuation through the commit path
-        if engine.append_token(req, t):
+    for t in ids:   # feed a fixed continuation through the scheduler and the output processor
+        result = StepResult([[t]], [0])
+        engine.scheduler.update_from_output([req], result)
+        engine.output_processor.process([req], result)
+        if req.is_finished:
             break
     assert req.text == "hello world and more".split(stop)[0]
     assert req.finish_reason == "stop" and req.stop_reason == stop

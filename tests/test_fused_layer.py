@@ -150,7 +150,7 @@ def test_fused_model_matches_the_reference_layer_and_keeps_rows_independent(tiny
 
     llm = LLM(tiny_qwen2_dir, quantization=quantization)
     engine = llm.llm_engine
-    runner, bm, model = engine.runner, engine.block_manager, engine.runner.model
+    runner, bm, model = engine.target.runner, engine.block_manager, engine.target.runner.model
     assert model.fused
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(3, 250, (n,), generator=g).tolist() for n in (9, 23, 4)]
@@ -186,8 +186,8 @@ def test_kv_cache_dtype_is_checked_and_resolved(tiny_qwen2_dir):
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .* got 'fp8'"):
         EngineArgs(model=tiny_qwen2_dir, kv_cache_dtype="fp8")
-    assert LLM(tiny_qwen2_dir).llm_engine.kv_cache.key_cache.dtype == torch.float16          # auto on the CPU
-    assert LLM(tiny_qwen2_dir, kv_cache_dtype="bfloat16").llm_engine.kv_cache.key_cache.dtype == torch.bfloat16
+    assert LLM(tiny_qwen2_dir).llm_engine.target.kv_cache.key_cache.dtype == torch.float16          # auto on the CPU
+    assert LLM(tiny_qwen2_dir, kv_cache_dtype="bfloat16").llm_engine.target.kv_cache.key_cache.dtype == torch.bfloat16
     spec = {"method": "draft_model", "model": tiny_qwen2_dir, "num_speculative_tokens": 2}
     draft_kv = LLM(tiny_qwen2_dir, kv_cache_dtype="float32", speculative_config=spec).llm_engine.worker.proposer.runner.kv_cache
     assert draft_kv.key_cache.dtype == torch.float32
@@ -202,7 +202,7 @@ def test_a_model_the_fused_ops_cannot_take_runs_the_reference_layer(tmp_path, ca
     hf = make_tiny_model("llama", tmp_path, hidden_size=48)        # 4 heads of 12
     with caplog.at_level("WARNING"):
         llm = LLM(str(tmp_path))
-    assert not llm.llm_engine.runner.model.fused and "head_dim 12" in caplog.text
+    assert not llm.llm_engine.target.runner.model.fused and "head_dim 12" in caplog.text
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     with torch.no_grad():
         want = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False, min_new_tokens=4)

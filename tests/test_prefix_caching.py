@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.kv_cache.block_manager import BlockManager, NoFreeBlocksError
+from specserve.kv_cache.block_manager import BlockManager, NoFreeBlocksError, TargetOnly
 from tests.tiny_models import make_layer_skip_draft
 
 BS = 4
@@ -63,7 +63,7 @@ def test_a_chain_is_exact_not_a_hash_of_its_page():
 def test_lookahead_keys_include_the_next_pages_first_token():
     """A head's entry at a page's last position embeds the next token: with lookahead 1 a page is
     found only when that token matches too, and is registered only once it is known."""
-    bm = BlockManager(8, BS, enable_prefix_caching=True, lookahead=1)
+    bm = BlockManager(8, BS, enable_prefix_caching=True, worker=TargetOnly(kv_lookahead=1))
     toks = [1, 2, 3, 4, 5, 6, 7, 8]
     bm.allocate(0, 8)
     assert bm.cache_full_pages(0, toks, 8) == 1      # page 2's next token is unknown yet
@@ -147,7 +147,7 @@ def test_bad_prefix_use_is_refused_and_reset_forgets_everything():
 
 def test_random_operations_keep_the_invariants():
     rng = random.Random(0)
-    bm = BlockManager(24, BS, enable_prefix_caching=True, lookahead=rng.choice([0, 1]))
+    bm = BlockManager(24, BS, enable_prefix_caching=True, worker=TargetOnly(kv_lookahead=rng.choice([0, 1])))
     prefixes = [[rng.randrange(5) for _ in range(rng.randrange(1, 30))] for _ in range(4)]
     live: dict[int, list[int]] = {}
     for step in range(3000):
@@ -224,7 +224,7 @@ class SharedPageWatch:
         self.checked = 0
 
     def entries(self, page, which):
-        caches = [self.engine.kv_cache] if which == "target" else proposer_caches(self.engine)
+        caches = [self.engine.target.kv_cache] if which == "target" else proposer_caches(self.engine)
         return [t[:, page].clone() for c in caches for t in (c.key_cache, c.value_cache)]
 
     def check(self):
@@ -353,7 +353,7 @@ def test_a_cached_prefix_drafts_as_a_computed_one(tiny_qwen2_dir, self_draft, tr
             eng.step()
         seq = eng.requests["probe"][0]
         slots = torch.tensor(eng.block_manager.slot_mapping(seq.seq_id, 0, len(system) + 4))
-        stats[caching].append([t.flatten(1, 2)[:, slots] for c in [eng.kv_cache] + proposer_caches(eng)
+        stats[caching].append([t.flatten(1, 2)[:, slots] for c in [eng.target.kv_cache] + proposer_caches(eng)
                                for t in (c.key_cache, c.value_cache)])
         eng.abort_request("probe")
     on, off = stats[True], stats[False]

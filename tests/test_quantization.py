@@ -393,7 +393,7 @@ def _ids(outs):
 @pytest.fixture(scope="module", params=LAYOUTS)
 def quantized_reference(request, tiny_qwen2_dir):
     base = LLM(tiny_qwen2_dir, quantization=request.param)
-    assert isinstance(base.llm_engine.model.layers[0].gate_up_proj, QuantizedLinear)
+    assert isinstance(base.llm_engine.target.model.layers[0].gate_up_proj, QuantizedLinear)
     batch = _ids(base.generate(_prompts(), GREEDY))
     alone = [_ids(base.generate([p], GREEDY))[0] for p in _prompts()]
     assert batch == alone  # a batch of 8 == each alone

@@ -220,16 +220,21 @@ def test_int8_draft_keeps_output_exact(tiny_qwen2_dir, drafts, reference):
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
-def test_k_set_on_the_config_takes_effect_at_the_next_step(tiny_qwen2_dir):
-    """`specserve bench` runs one engine at several k by setting spec_config.num_speculative_tokens
-    between runs: the worker must read it at every step."""
+def test_k_set_on_the_engine_takes_effect_at_the_next_step(tiny_qwen2_dir):
+    """`specserve bench` runs one engine at several k through ``set_num_speculative_tokens``
+    between runs: the next step drafts with the new k, and the config keeps its value."""
     llm = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": tiny_qwen2_dir,
                                                   "num_speculative_tokens": 2, "adaptive": False})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     eng = llm.llm_engine
     for k in (2, 4):
-        eng.spec_config.num_speculative_tokens = k
-        eng.spec_stats = type(eng.spec_stats)()
+        eng.set_num_speculative_tokens(k)
+        eng.reset_spec_stats()
         llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params)
         # the target drafting for itself accepts every draft: the longest chain is k
         assert len(eng.spec_stats.drafted_per_position) == k
+        assert eng.num_speculative_tokens == k and eng.spec_config.num_speculative_tokens == 2
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        eng.set_num_speculative_tokens(0)
+    with pytest.raises(ValueError, match="without speculation"):
+        LLM(tiny_qwen2_dir).llm_engine.set_num_speculative_tokens(2)

@@ -46,7 +46,7 @@ def assert_logits_close(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 def forward_logits(llm, seqs: list[list[int]]) -> torch.Tensor:
     """Logits ``[T, V]`` of every token of ``seqs`` prefilled in one forward (pages 4i.. for sequence i)."""
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.target.runner
     ids = torch.tensor([t for s in seqs for t in s])
     positions = [p for s in seqs for p in range(len(s))]
     tables = [list(range(4 * i, 4 * i + 4)) for i in range(len(seqs))]
@@ -221,7 +221,7 @@ def _watch_drafts(llm) -> dict:
     """Record, over every proposal of the leader's draft, the leader's torch thread count, the
     wall time and the CPU time the worker rank spent meanwhile (a worker spinning in its wait
     would spend about the wall time)."""
-    worker = llm.llm_engine.tp.processes[0].pid
+    worker = llm.llm_engine.target.launcher.processes[0].pid
     proposer = llm.llm_engine.worker.proposer
     propose, seen = proposer.propose, {"threads": set(), "wall_s": 0.0, "worker_cpu_s": 0.0}
 
@@ -267,7 +267,7 @@ def _gone(pid: int) -> bool:
 def test_a_killed_worker_fails_the_engine_at_once_and_shutdown_leaves_no_process(wide_dir):
     llm = LLM(wide_dir, tensor_parallel_size=2)
     llm.generate([[5, 6, 7]], GREEDY)
-    worker = llm.llm_engine.tp.processes[0]
+    worker = llm.llm_engine.target.launcher.processes[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(5)
     assert "exited with code -9" in llm.llm_engine.health()
@@ -282,7 +282,7 @@ def test_a_killed_worker_fails_the_engine_at_once_and_shutdown_leaves_no_process
 def test_a_hung_worker_fails_the_step_within_the_timeout(wide_dir):
     llm = LLM(wide_dir, tensor_parallel_size=2, distributed_timeout_s=2)
     llm.generate([[5, 6, 7]], GREEDY)
-    worker = llm.llm_engine.tp.processes[0]
+    worker = llm.llm_engine.target.launcher.processes[0]
     os.kill(worker.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="did not answer within 2 s"):
@@ -339,7 +339,7 @@ def test_the_server_answers_503_when_a_worker_dies(wide_dir):
         body = {"model": "tiny", "prompt": "def hello", "max_tokens": 4, "temperature": 0}
         assert httpx.post(s.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
         assert httpx.get(s.base_url + "/health").status_code == 200
-        worker = s.engine.tp.processes[0]
+        worker = s.engine.target.launcher.processes[0]
         os.kill(worker.pid, signal.SIGKILL)
         worker.join(5)
         health = httpx.get(s.base_url + "/health")
@@ -355,8 +355,8 @@ def test_an_interrupted_step_fails_the_engine_at_once(wide_dir):
     """An error on rank 0 inside a forward leaves the worker mid-step: the engine must stop, not
     pair the wrong collectives or wait out the timeout."""
     llm = LLM(wide_dir, tensor_parallel_size=2, distributed_timeout_s=30)
-    layer = llm.llm_engine.model.layers[1]
-    name = "forward_fused" if llm.llm_engine.model.fused else "forward"   # the one the model calls
+    layer = llm.llm_engine.target.model.layers[1]
+    name = "forward_fused" if llm.llm_engine.target.model.fused else "forward"   # the one the model calls
     original = getattr(layer, name)
 
     def boom(*a, **kw):
@@ -369,7 +369,7 @@ def test_an_interrupted_step_fails_the_engine_at_once(wide_dir):
     t0 = time.monotonic()
     with pytest.raises(TensorParallelError, match="out of step"):
         llm.generate([[5, 6, 7]], GREEDY)
-    worker = llm.llm_engine.tp.processes[0]
+    worker = llm.llm_engine.target.launcher.processes[0]
     llm.shutdown()
     assert time.monotonic() - t0 < 10 and _gone(worker.pid)
 
@@ -382,7 +382,7 @@ def test_no_worker_outlives_a_failed_or_dropped_engine(wide_dir):
         LLM(wide_dir, tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "no-such-draft"})
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("specserve-tp")]
     llm = LLM(wide_dir, tensor_parallel_size=2)
-    worker = llm.llm_engine.tp.processes[0]
+    worker = llm.llm_engine.target.launcher.processes[0]
     del llm
     gc.collect()
     worker.join(10)
@@ -405,7 +405,7 @@ def test_teacher_forcing_at_tp2(wide_dir):
 def test_keepalive_messages_keep_the_ranks_in_step(wide_dir):
     with LLM(wide_dir, tensor_parallel_size=2) as llm:
         before = token_ids(llm.generate(prompts([5, 9]), GREEDY))
-        channel = llm.llm_engine.tp.runner.channel
+        channel = llm.llm_engine.target.launcher.runner.channel
         sent = channel.num_messages
         llm.llm_engine.keepalive(idle_s=0)          # what the server's idle loop sends
         llm.llm_engine.keepalive(idle_s=3600)       # not idle long enough: nothing sent
@@ -420,7 +420,7 @@ def test_a_spawned_worker_exits_when_its_leader_is_killed(wide_dir):
     code = ("import sys; from specserve import LLM\n"
             "if __name__ == '__main__':\n"
             f"    llm = LLM({wide_dir!r}, tensor_parallel_size=2)\n"
-            "    print(llm.llm_engine.tp.processes[0].pid, flush=True)\n"
+            "    print(llm.llm_engine.target.launcher.processes[0].pid, flush=True)\n"
             "    sys.stdin.read()\n")
     leader = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -546,7 +546,7 @@ def test_plain_step_reports_the_logits_it_computed(tiny_qwen2_dir):
 
     def observe(reqs, result):
         assert all(isinstance(r, int) for r in result.logit_rows)
-        want = engine.runner.compute_logits(result.hidden_states, result.logit_rows)
+        want = engine.target.runner.compute_logits(result.hidden_states, result.logit_rows)
         torch.testing.assert_close(result.logits, want, rtol=0, atol=0)
         seen.append(len(result.logit_rows))
 

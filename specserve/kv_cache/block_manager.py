@@ -41,8 +41,9 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["BlockManager", "NoFreeBlocksError", "PrefixHit"]
+__all__ = ["BlockManager", "NoFreeBlocksError", "PrefixHit", "PrefixValidity", "TargetOnly"]
 
 _ROOT = -1   # the key id "before" a sequence's first page
 
@@ -76,6 +77,28 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class PrefixValidity(Protocol):
+    """What the reuse of a sequence's pages depends on besides the target's entries (every
+    :class:`~specserve.worker.base.Worker` has these members)."""
+
+    kv_lookahead: int
+    prefix_needs_draft: bool
+
+    def num_valid_draft_tokens(self, seq_id: int, num_computed_tokens: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class TargetOnly:
+    """No proposer state: a page's entries are the target's; ``kv_lookahead`` tokens past the page
+    may still be part of its key (tests and tools set it)."""
+
+    kv_lookahead: int = 0
+    prefix_needs_draft: bool = False
+
+    def num_valid_draft_tokens(self, seq_id: int, num_computed_tokens: int) -> int:
+        return num_computed_tokens
+
+
 class BlockManager:
     """Free list + reference counts + per-sequence block tables (+ the prefix cache).
 
@@ -83,16 +106,18 @@ class BlockManager:
         num_blocks: number of pages in the pool (>= 1).
         block_size: token slots per page (>= 1).
         enable_prefix_caching: register full pages by their token chain and reuse them.
-        lookahead: tokens past its page that a page's entries depend on (see the module doc; the
-            engine sets it to its proposer's before the first request).
-        require_draft_valid: hits end at the first page whose draft entries are not valid (a head).
+        worker: what a page's reuse depends on beyond the target's entries (the engine's
+            :class:`~specserve.worker.base.Worker`; default: the target alone). Read once here:
+            ``kv_lookahead`` (tokens past its page that a page's entries depend on, see the module
+            doc) and ``prefix_needs_draft`` (hits end at the first page whose draft entries are not
+            valid: a head); asked when pages are published: ``num_valid_draft_tokens``.
 
     Raises:
         ValueError: if ``num_blocks`` or ``block_size`` is < 1.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 lookahead: int = 0, require_draft_valid: bool = False) -> None:
+                 worker: PrefixValidity | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -100,8 +125,9 @@ class BlockManager:
         self.num_blocks: int = int(num_blocks)
         self.block_size: int = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.lookahead = int(lookahead)
-        self.require_draft_valid = bool(require_draft_valid)
+        self.worker = worker if worker is not None else TargetOnly()
+        self.lookahead = int(self.worker.kv_lookahead)
+        self.require_draft_valid = bool(self.worker.prefix_needs_draft)
         # allocate pops from the left, released pages are appended on the right
         self._free: deque[int] = deque(range(self.num_blocks))
         self._ref_counts: list[int] = [0] * self.num_blocks
@@ -283,12 +309,11 @@ class BlockManager:
             self._release(table.pop())
         self._num_tokens[seq_id] = num_tokens
 
-    def cache_full_pages(self, seq_id: int, token_ids: list[int], num_valid_tokens: int,
-                         num_draft_valid_tokens: int | None = None) -> int:
+    def cache_full_pages(self, seq_id: int, token_ids: list[int], num_valid_tokens: int) -> int:
         """Register ``seq_id``'s full pages whose target entries are final: those wholly below
         ``num_valid_tokens`` (and with their ``lookahead`` tokens known in ``token_ids``, the
-        sequence's tokens); mark those of its own pages wholly below ``num_draft_valid_tokens``
-        (default: all registered) draft-valid. A page whose chain is already registered (another
+        sequence's tokens); mark those of its own pages wholly below the worker's
+        ``num_valid_draft_tokens`` draft-valid. A page whose chain is already registered (another
         sequence computed the same tokens) is left unregistered; the chain goes on through that
         one. Returns the number of pages registered. No-op without prefix caching.
 
@@ -300,7 +325,7 @@ class BlockManager:
             return 0
         bs, table, chain = self.block_size, self._tables[seq_id], self._chain[seq_id]
         end = min(num_valid_tokens, self._num_tokens[seq_id], len(token_ids) - self.lookahead)
-        draft_end = end if num_draft_valid_tokens is None else min(end, num_draft_valid_tokens)
+        draft_end = min(end, self.worker.num_valid_draft_tokens(seq_id, num_valid_tokens))
         marked = self._draft_marked[seq_id]
         for i in range(marked, min(draft_end // bs, len(chain))):   # adopted or registered before, now covered
             if self._page_key_id[table[i]] == chain[i]:

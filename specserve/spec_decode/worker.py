@@ -43,19 +43,23 @@ class SpeculativeWorker:
         target: the target worker (its model, KV cache and sampler verify the drafts).
         proposer: the method's proposer.
         config: ``num_speculative_tokens`` (k, or the largest k when ``adaptive``) and ``adaptive``.
+        draft_context: a callable returning the context the draft's own compute runs in
+            (:meth:`~specserve.worker.target.Target.draft_context`).
     """
 
-    def __init__(self, target: TargetWorker, proposer: Proposer, config: SpeculativeConfig):
+    def __init__(self, target: TargetWorker, proposer: Proposer, config: SpeculativeConfig,
+                 draft_context=contextlib.nullcontext):
         self.target = target
         self.proposer = proposer
         self.config = config
-        self.controller = AdaptiveSpeculation(config.num_speculative_tokens) if config.adaptive else None
+        self._k = config.num_speculative_tokens
+        self.controller = AdaptiveSpeculation(self._k) if config.adaptive else None
         self._follow: set[int] = set()     # seq ids whose draft prefill runs at the start of the next step
         self._deferred: set[int] = set()   # seq ids whose draft prefill waits for a decode step's estimate
         self._cold: set[int] = set()       # seq ids on a cached prefix the draft has not caught up over
-        # the context the draft's own compute runs in (the engine's tensor-parallel leader gives
-        # it every core: TensorParallelLauncher.leader_alone)
-        self.draft_context = contextlib.nullcontext
+        # the context the draft's own compute runs in (the tensor-parallel leader gives it every
+        # core: TensorParallelTarget.draft_context)
+        self.draft_context = draft_context
 
     @property
     def device(self) -> torch.device:
@@ -63,8 +67,21 @@ class SpeculativeWorker:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """k (the largest k when adaptive), read from the config at every step."""
-        return self.config.num_speculative_tokens
+        """k (the largest k when adaptive)."""
+        return self._k
+
+    def set_num_speculative_tokens(self, k: int) -> None:
+        """Draft ``k`` tokens a step from now on (adaptive: k becomes the largest, and the
+        controller starts its measurements anew). The config keeps the value it was built with.
+
+        Raises:
+            ValueError: ``k`` is not a positive int.
+        """
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive int, got {k!r}")
+        self._k = k
+        if self.controller is not None:
+            self.controller = AdaptiveSpeculation(k)
 
     def num_lookahead_tokens(self) -> int:
         """Cache slots past the newest token a speculative step may write: k drafts and the bonus
@@ -88,7 +105,7 @@ class SpeculativeWorker:
         valid = self.proposer.num_valid_kv_tokens(seq_id)
         return num_computed_tokens if valid is None else min(valid, num_computed_tokens)
 
-    def adopt_cached_prefix(self, seq_id: int, num_tokens: int, num_draft_tokens: int) -> None:
+    def _adopt_cached_prefix(self, seq_id: int, num_tokens: int, num_draft_tokens: int) -> None:
         """A new sequence starts on cached pages holding the target's entries of its first
         ``num_tokens`` positions and the proposer's of the first ``num_draft_tokens``: the proposer
         starts there. A draft behind the target then catches up as over a prompt it has not
@@ -97,7 +114,7 @@ class SpeculativeWorker:
         if num_draft_tokens < num_tokens:
             self._cold.add(seq_id)
 
-    def free(self, seq_ids: list[int]) -> None:
+    def _free(self, seq_ids: list[int]) -> None:
         """Sequences that finished, were aborted or preempted: the proposer forgets them."""
         for seq_id in seq_ids:
             self.proposer.reset(seq_id)
@@ -111,6 +128,9 @@ class SpeculativeWorker:
         speculates with the controller's k (0: a plain step) and any other batch runs the target
         alone, deciding which prompts the proposer follows. Returns the step's result; the
         proposer's state already reflects what the target accepted."""
+        self._free(batch.freed_seq_ids)
+        for seq_id, num_tokens, num_draft_tokens in batch.cached_prefixes:
+            self._adopt_cached_prefix(seq_id, num_tokens, num_draft_tokens)
         self._prefill_followed(batch)
         t0 = time.perf_counter()   # the draft's late prefill is its own cost, not the step's
         ctrl = self.controller

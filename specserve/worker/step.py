@@ -43,6 +43,11 @@ class StepBatch:
         grammars: per sequence its :class:`~specserve.structured_output.GrammarState` at the
             committed output (structured output) or None; None for the whole batch when no
             sequence has one. A worker reads masks after uncommitted drafts and never commits.
+        freed_seq_ids: sequences finished, aborted or preempted since the last batch: the worker
+            forgets them before this step (their ids never come back).
+        cached_prefixes: ``(seq_id, num_tokens, num_draft_tokens)`` of the sequences admitted
+            this step on cached pages: the target's entries of their first ``num_tokens``
+            positions and the proposer's of the first ``num_draft_tokens`` are already there.
 
     Derived (once, on first use): ``input_ids [T]`` and ``positions [T]`` int64 over the T =
     sum(query_lens) new tokens, ``cu_query_lens [B + 1]`` (row offsets, a host list).
@@ -62,6 +67,8 @@ class StepBatch:
     block_size: int
     expected_batch_size: int = 1
     grammars: list[GrammarState | None] | None = None
+    freed_seq_ids: list[int] = field(default_factory=list)
+    cached_prefixes: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seq_ids)

@@ -51,7 +51,8 @@ class TargetWorker:
         return 0
 
     def execute(self, batch: StepBatch) -> StepResult:
-        """One forward over the batch's new tokens; one token sampled per sequence that reaches its end."""
+        """One forward over the batch's new tokens; one token sampled per sequence that reaches its
+        end. (Freed and cached sequences need nothing: the target keeps no state beyond pages.)"""
         cu = batch.cu_query_lens
         hidden_rows = [range(cu[b], cu[b + 1]) for b in range(len(batch))]
         sampling = [b for b in range(len(batch)) if batch.samples(b)]
@@ -104,6 +105,8 @@ class TargetWorker:
 
     # prefix caching (specserve.kv_cache.block_manager): the target's entry at position p depends
     # on tokens 0..p only, and a prefix the target has computed is all there is to its state
+    proposer = None
+    controller = None
     kv_lookahead = 0
     prefix_needs_draft = False   # no proposer: a cached page is valid for every model there is
 
@@ -111,9 +114,5 @@ class TargetWorker:
         """Leading positions whose draft / head entries are final too (no proposer: all computed)."""
         return num_computed_tokens
 
-    def adopt_cached_prefix(self, seq_id: int, num_tokens: int, num_draft_tokens: int) -> None:
-        """A new sequence starts on cached pages holding its first ``num_tokens`` tokens (the
-        proposer's entries: the first ``num_draft_tokens``)."""
-
-    def free(self, seq_ids: list[int]) -> None:
-        """Sequences that finished or were preempted (the target keeps no state beyond pages)."""
+    def set_num_speculative_tokens(self, k: int) -> None:
+        raise ValueError(f"num_speculative_tokens {k!r}: this engine runs without speculation")
