@@ -95,12 +95,11 @@ def main():
             ttft[name].append(time.perf_counter() - t)
             tokens.setdefault(name + " first", out[0].outputs[0].token_ids)
             if not args.mtp:
-                model = engine.runner.model
-                previous, model.aux_hidden_state_layers = model.aux_hidden_state_layers, (2, 14, 25)
+                previous, engine.aux_hidden_state_layers = engine.aux_hidden_state_layers, (2, 14, 25)
                 t = time.perf_counter()
                 _run_segments(engine, segments, 20)
                 pre[name].append(time.perf_counter() - t)
-                model.aux_hidden_state_layers = previous
+                engine.aux_hidden_state_layers = previous
     def spread(xs, f=lambda x: x):
         vals = sorted(f(x) for x in xs)
         return f"{statistics.median(vals):.2f} [{vals[0]:.2f}-{vals[-1]:.2f}]"

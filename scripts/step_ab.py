@@ -25,27 +25,47 @@ ROOT = Path(__file__).resolve().parents[1]
 MEASURE = r'''
 import json, statistics, sys, time
 from specserve.entrypoints.llm import LLM
-from specserve.worker.model_runner import ModelInput
 model, draft, contexts, k, steps = sys.argv[1], sys.argv[2], [int(c) for c in sys.argv[3].split(",")], int(sys.argv[4]), int(sys.argv[5])
 spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "adaptive": False} if draft else None
 llm = LLM(model, quantization="int4", speculative_config=spec, max_model_len=max(contexts) + 64)
 engine = llm.llm_engine
-runners = {"target": engine.runner}
-if spec:
-    runners["draft"] = engine.worker.proposer.runner
 out = {}
+
+
+def scratch(ctx, role):
+    """Pages for ctx + k + 1 tokens and a forward over them: the engine's scratch sequence, or on
+    a baseline from before it, a negative seq id in the block manager and the runner."""
+    if hasattr(engine, "scratch_sequence"):
+        return engine.scratch_sequence(ctx + k + 1, model=role)
+    import contextlib
+    from specserve.worker.model_runner import ModelInput
+
+    @contextlib.contextmanager
+    def old():
+        runner = engine.runner if role == "target" else engine.worker.proposer.runner
+        seq = -3_000_000 - ctx
+        engine.block_manager.allocate(seq, ctx + k + 1)
+        table = engine.block_manager.block_table(seq)
+
+        class Seq:
+            model = runner.model
+            forward = staticmethod(lambda ids, start: runner.forward([ModelInput(ids, start, table)]).hidden_states)
+            logits = staticmethod(runner.compute_logits)
+        try:
+            yield Seq
+        finally:
+            engine.block_manager.free(seq)
+    return old()
+
+
 for ctx in contexts:
-    seq = -3_000_000 - ctx
-    engine.block_manager.allocate(seq, ctx + k + 1)
-    table = engine.block_manager.block_table(seq)
-    try:
-        for name, runner in runners.items():
-            vocab = runner.model.config.vocab_size
-            runner.forward([ModelInput([(1000 + 7 * i) % vocab for i in range(ctx)], 0, table)])
+    for name in (["target", "draft"] if spec else ["target"]):
+        with scratch(ctx, name) as seq:
+            vocab = seq.model.config.vocab_size
+            seq.forward([(1000 + 7 * i) % vocab for i in range(ctx)], 0)
             def timed(m):
                 t = time.perf_counter()
-                fwd = runner.forward([ModelInput([5] * m, ctx, table)])
-                runner.compute_logits(fwd.hidden_states, list(range(m)))
+                seq.logits(seq.forward([5] * m, ctx), list(range(m)))
                 return time.perf_counter() - t
             for _ in range(3):
                 timed(1), timed(k + 1)
@@ -58,8 +78,6 @@ for ctx in contexts:
             if many:
                 out[f"target_verify_ms@{ctx}"] = 1e3 * statistics.median(many)
                 out[f"V({k})@{ctx}"] = statistics.median(m / o for m, o in zip(many, one))
-    finally:
-        engine.block_manager.free(seq)
 print("RESULT " + json.dumps(out))
 '''
 

@@ -119,28 +119,26 @@ def read_bandwidth_gbs(megabytes: int = 1024, repeats: int = 5, ops=None) -> flo
     return best
 
 
-def step_bytes(runner, context_len: int) -> tuple[int, int]:
-    """``(weight bytes, KV bytes)`` one decode step of ``runner``'s model reads at ``context_len``:
-    every linear's weights (the lm_head included) and the keys and values of the context."""
-    model, kv = runner.model, runner.kv_cache
+def step_bytes(seq, context_len: int) -> tuple[int, int]:
+    """``(weight bytes, KV bytes)`` one decode step of ``seq``'s model (a
+    :class:`~specserve.engine.scoring.ScratchSequence`) reads at ``context_len``: every linear's
+    weights (the lm_head included) and the keys and values of the context."""
+    model, kv = seq.model, seq.kv_cache
     weights = sum(m.nbytes for m in model.modules() if isinstance(m, (QuantizedLinear, BatchInvariantLinear)))
     per_token = 2 * kv.num_layers * kv.num_kv_heads * kv.head_dim * kv.key_cache.element_size()
     return weights, per_token * (context_len + 1)
 
 
-def decode_breakdown(runner, block_table: list[int], context_len: int, bandwidth_gbs: float,
-                     repeats: int = 30) -> dict:
-    """One decode forward + logits of ``runner`` at ``context_len`` tokens of context (prefilled
-    here into ``block_table``'s pages): medians over ``repeats`` steps, in ms."""
-    from specserve.worker.model_runner import ModelInput
-
-    vocab = runner.model.config.vocab_size
-    runner.forward([ModelInput([(1000 + 7 * i) % vocab for i in range(context_len)], 0, block_table)])
+def decode_breakdown(seq, context_len: int, bandwidth_gbs: float, repeats: int = 30) -> dict:
+    """One decode forward + logits of ``seq``'s model (a
+    :class:`~specserve.engine.scoring.ScratchSequence` of ``context_len + 1`` tokens) at
+    ``context_len`` tokens of context (prefilled here): medians over ``repeats`` steps, in ms."""
+    vocab = seq.model.config.vocab_size
+    seq.forward([(1000 + 7 * i) % vocab for i in range(context_len)], 0)
 
     def step() -> float:
         t = time.perf_counter()
-        fwd = runner.forward([ModelInput([5], context_len, block_table)])
-        runner.compute_logits(fwd.hidden_states, [0])
+        seq.logits(seq.forward([5], context_len), [0])
         return time.perf_counter() - t
 
     for _ in range(5):
@@ -151,7 +149,7 @@ def decode_breakdown(runner, block_table: list[int], context_len: int, bandwidth
             before = spent[0]
             totals.append(step())
             linears.append(spent[0] - before)
-    weights, kv = step_bytes(runner, context_len)
+    weights, kv = step_bytes(seq, context_len)
     total, lin = statistics.median(totals), statistics.median(linears)
     floor = (weights + kv) / (bandwidth_gbs * 1e9)
     return {"context_len": context_len, "step_ms": 1e3 * total, "step_ms_min": 1e3 * min(totals),
@@ -173,24 +171,17 @@ def run_decode_breakdown(args) -> list[dict]:
     llm = LLM(args.model, quantization=args.quantization, speculative_config=spec,
               kv_cache_dtype=args.kv_cache_dtype, max_model_len=max(contexts) + 64)
     engine = llm.llm_engine
-    runners = [("target", args.model, engine.runner)]
-    if spec is not None:
-        runners.append(("draft", args.draft, engine.worker.proposer.runner))
+    models = [("target", args.model)] + ([("draft", args.draft)] if spec is not None else [])
     rows = []
     for ctx in contexts:
-        seq = -2_000_000 - ctx     # pages of our own in the engine's pool, freed after
-        engine.block_manager.allocate(seq, ctx + 1)
-        try:
-            for role, name, runner in runners:
-                row = {"role": role, "model": name, **decode_breakdown(runner, engine.block_manager.block_table(seq),
-                                                                        ctx, bw, args.steps)}
+        for role, name in models:
+            with engine.scratch_sequence(ctx + 1, model=role) as seq:
+                row = {"role": role, "model": name, **decode_breakdown(seq, ctx, bw, args.steps)}
                 rows.append(row)
                 print(f"{role:6s} ctx {ctx:5d}: step {row['step_ms']:6.2f} ms [{row['step_ms_min']:.2f}-"
                       f"{row['step_ms_max']:.2f}]  linears {row['linear_ms']:6.2f}  outside {row['outside_ms']:5.2f}  "
                       f"reads {row['weight_mb']:6.1f} + {row['kv_mb']:5.1f} MB  floor {row['floor_ms']:6.2f} ms  "
                       f"above floor {row['above_floor_ms']:+5.2f} ms", flush=True)
-        finally:
-            engine.block_manager.free(seq)
     return rows
 
 

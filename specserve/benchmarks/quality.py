@@ -44,9 +44,8 @@ def quality_segments(tokenizer, num_tokens: int, segment_len: int = 512) -> list
 @torch.inference_mode()
 def teacher_forced(engine, segments: list[list[int]], logits_chunk: int = 128) -> dict:
     """Argmax ids and the perplexity of the true next tokens, at every position but each segment's
-    last (the segments run through the engine's model runner, as hidden states are precomputed)."""
-    from specserve.training.hidden_states import segment_hidden_states
-
+    last (the segments run through :meth:`~specserve.engine.engine.LLMEngine.score`, as hidden
+    states are precomputed for head training)."""
     # rows whose next token is known: all but the last of each segment
     rows, targets, start = [], [], 0
     for seg in segments:
@@ -55,12 +54,12 @@ def teacher_forced(engine, segments: list[list[int]], logits_chunk: int = 128) -
         start += len(seg)
     targets_t = torch.tensor(targets)
     argmax, nll = [], 0.0
-    with segment_hidden_states(engine, segments) as hidden:
-        for i in range(0, len(rows), logits_chunk):
-            logits = engine.runner.compute_logits(hidden, rows[i:i + logits_chunk]).double()
-            logp = torch.log_softmax(logits, dim=-1)
-            nll -= float(logp.gather(1, targets_t[i:i + logits_chunk, None]).sum())
-            argmax += logits.argmax(-1).tolist()
+    scores = engine.score(segments)
+    for i in range(0, len(rows), logits_chunk):
+        logits = scores.logits(rows[i:i + logits_chunk]).double()
+        logp = torch.log_softmax(logits, dim=-1)
+        nll -= float(logp.gather(1, targets_t[i:i + logits_chunk, None]).sum())
+        argmax += logits.argmax(-1).tolist()
     return {"argmax": argmax, "perplexity": math.exp(nll / len(rows)), "num_tokens": len(rows)}
 
 

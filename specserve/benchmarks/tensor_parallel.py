@@ -42,8 +42,9 @@ def _snapshot(group) -> dict:
 def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
     """Decode ``batch_size`` requests; per decode step: wall ms and (TP > 1) the collectives' share."""
     engine = llm.llm_engine
-    group = engine.tp.group if engine.tp is not None else None
-    channel = engine.tp.runner.channel if engine.tp is not None else None
+    launcher = getattr(engine.target, "launcher", None)   # the ranks, under tensor parallelism
+    group = launcher.group if launcher is not None else None
+    channel = launcher.runner.channel if launcher is not None else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch_size):
         engine.add_request(f"b{batch_size}-{i}-{time.monotonic_ns()}", PROMPT * (1 + i % 3), params)

@@ -1,6 +1,6 @@
 """Precompute the target's hidden states and next-token distributions for head training.
 
-The target runs through the engine's own :class:`~specserve.worker.model_runner.ModelRunner` (the code
+The target runs through the engine's own path (:meth:`~specserve.engine.engine.LLMEngine.score`: the code
 the server runs, paged KV cache included), so a head is trained on exactly the features it will
 see at inference. Each document is cut into segments of at most ``seq_len`` tokens, each run
 from position 0. Per token we store:
@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -32,7 +31,6 @@ from typing import Iterable
 import torch
 from tqdm import tqdm
 
-from specserve.worker.model_runner import ModelInput
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -116,38 +114,19 @@ class _ShardBuffer:
         return out
 
 
-@contextmanager
-def segment_hidden_states(engine, segments: list[list[int]]):
-    """Run ``segments`` (token id lists, each from position 0) through the engine's model runner in
-    one forward; yields the model's hidden states ``[sum L, H]`` (wider with auxiliary layers, see
-    :meth:`~specserve.models.llama.LlamaForCausalLM.forward`) and frees the pages on exit."""
-    bm, runner = engine.block_manager, engine.runner
-    seq_ids = [-(i + 1) for i in range(len(segments))]   # negative: never a request's seq_id
-    try:
-        inputs = []
-        for sid, seg in zip(seq_ids, segments):
-            bm.allocate(sid, len(seg))
-            inputs.append(ModelInput(seg, 0, bm.block_table(sid)))
-        with torch.inference_mode():
-            yield runner.forward(inputs).hidden_states
-    finally:
-        for sid in seq_ids:
-            if bm.has_seq(sid):
-                bm.free(sid)
-
-
 @torch.inference_mode()
 def _run_segments(engine, segments: list[list[int]], top_k: int, logits_chunk: int = 256):
     """Hidden states ``[sum L, H (1 + aux)]`` and top-k of the next-token distribution of every token."""
-    with segment_hidden_states(engine, segments) as hidden:
-        ids, probs = [], []
-        for start in range(0, hidden.shape[0], logits_chunk):
-            rows = list(range(start, min(start + logits_chunk, hidden.shape[0])))
-            logits = engine.runner.compute_logits(hidden, rows)  # [c, V] float32 (any tensor-parallel size)
-            p, i = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
-            ids.append(i)
-            probs.append(p)
-        return hidden.float(), torch.cat(ids), torch.cat(probs)
+    scores = engine.score(segments)
+    hidden = scores.hidden_states
+    ids, probs = [], []
+    for start in range(0, hidden.shape[0], logits_chunk):
+        rows = list(range(start, min(start + logits_chunk, hidden.shape[0])))
+        logits = scores.logits(rows)  # [c, V] float32 (any tensor-parallel size)
+        p, i = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        ids.append(i)
+        probs.append(p)
+    return hidden.float(), torch.cat(ids), torch.cat(probs)
 
 
 class HiddenStateWriter:
@@ -244,8 +223,7 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
     writer = HiddenStateWriter(out_dir, settings, corpus)
     done = writer.done
     per_token = bytes_per_token(settings.hidden_size, settings.top_k, len(settings.aux_layers))
-    model = engine.runner.model
-    previous_aux, model.aux_hidden_state_layers = model.aux_hidden_state_layers, settings.aux_layers
+    previous_aux, engine.aux_hidden_state_layers = engine.aux_hidden_state_layers, settings.aux_layers
     if total_tokens is not None:
         print(f"hidden states: about {total_tokens:,} tokens x {per_token:,} bytes = "
               f"{total_tokens * per_token / 2**30:.2f} GiB in {writer.out}"
@@ -298,21 +276,21 @@ def precompute_hidden_states(engine, documents: Iterable[tuple[str, list[int]]],
         flush_batch()
     finally:
         bar.close()
-        model.aux_hidden_state_layers = previous_aux
+        engine.aux_hidden_state_layers = previous_aux
     return writer.close(complete=True)
 
 
-def _step_logits(runner, result, rows: list[int]) -> torch.Tensor:
+def _step_logits(engine, result, rows: list[int]) -> torch.Tensor:
     """The target's raw logits ``[len(rows), V]`` float32 at hidden-state ``rows`` of a step: the
     rows the step scored already (every decode row: its sampled one) are reused, and the rest
     (prefill rows) get one lm_head call, so the vocabulary's weights are read once either way."""
     have = {r: i for i, r in enumerate(result.logit_rows or [])} if result.logits is not None else {}
     missing = [n for n, r in enumerate(rows) if r not in have]
     if len(missing) == len(rows):
-        return runner.compute_logits(result.hidden_states, rows)
+        return engine.compute_logits(result.hidden_states, rows)
     out = result.logits.index_select(0, torch.tensor([have.get(r, 0) for r in rows], device=result.logits.device))
     if missing:
-        out[torch.tensor(missing)] = runner.compute_logits(result.hidden_states, [rows[n] for n in missing])
+        out[torch.tensor(missing)] = engine.compute_logits(result.hidden_states, [rows[n] for n in missing])
     return out
 
 
@@ -346,7 +324,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
         raise ValueError("generate_with_hidden_states needs an engine without speculation")
     writer = HiddenStateWriter(out_dir, settings)
     todo = [it for it in items if it[0] not in writer.done]
-    runner, top_k = engine.runner, settings.top_k
+    top_k = settings.top_k
     captured: dict[int, _CapturedSequence] = {}   # by seq_id
 
     def observe(reqs, result):   # called before the step's tokens are committed
@@ -361,14 +339,14 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
             return
         hidden = result.hidden_states[torch.tensor(flat)]
         with torch.inference_mode():
-            p, i = torch.softmax(_step_logits(runner, result, flat), dim=-1).topk(top_k, dim=-1)
+            p, i = torch.softmax(_step_logits(engine, result, flat), dim=-1).topk(top_k, dim=-1)
         for cap, h, pp, ii in zip(caps, hidden.split(sizes), p.split(sizes), i.split(sizes)):
             cap.hidden.append(h.to(torch.float16))
             cap.topk_ids.append(ii.to(torch.int32))
             cap.topk_probs.append(pp.to(torch.float16))
 
     tokens_of: dict[str, list[int]] = {}
-    previous_aux, runner.model.aux_hidden_state_layers = runner.model.aux_hidden_state_layers, settings.aux_layers
+    previous_aux, engine.aux_hidden_state_layers = engine.aux_hidden_state_layers, settings.aux_layers
     engine.step_observers.append(observe)
     try:
         bar = tqdm(total=len(todo) * params.max_tokens, unit="tok", desc="self-distillation + hidden states",
@@ -400,7 +378,7 @@ def generate_with_hidden_states(llm, items: list[tuple[str, str]], params, out_d
         bar.close()
     finally:
         engine.step_observers.remove(observe)
-        runner.model.aux_hidden_state_layers = previous_aux
+        engine.aux_hidden_state_layers = previous_aux
         captured.clear()
     writer.close(complete=False)   # complete once the rest of the corpus is precomputed
     return tokens_of
