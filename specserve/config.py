@@ -8,10 +8,89 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from specserve.spec_decode.tree import TreeSpec
+from specserve.shipped_heads import builtin_heads, shipped_head_for
+
+
+# weight quantizations the engine serves (specserve.models.quantization has the layouts)
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
+def check_quantization(value, what: str = "quantization") -> str:
+    """``value`` normalised (None -> "none"); raises ValueError naming it when unknown."""
+    if value is None:
+        return "none"
+    if not isinstance(value, str) or value.lower() not in QUANTIZATIONS:
+        raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(QUANTIZATIONS)}")
+    return value.lower()
+
+
+# EAGLE-1's default tree (its repository's ``mc_sim_7b_63`` choice): 25 draft tokens, depth 5.
+EAGLE1_TREE: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
+    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A static tree shape: draft nodes as paths of child ranks, breadth-first.
+
+    Attributes:
+        paths: ``N`` paths, sorted by depth then rank; node i (1-based in a :class:`DraftTree`) is
+            ``paths[i - 1]``.
+        parents: ``[N + 1]`` parent node of each node, ``parents[0] = -1`` (the root).
+        ranks: ``[N + 1]`` rank of each node among its parent's children (0 = most likely).
+    """
+
+    paths: tuple[tuple[int, ...], ...]
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    @classmethod
+    def from_paths(cls, paths) -> "TreeSpec":
+        """Raises ValueError for an empty list, a rank < 0, a duplicate path or a path whose prefix
+        is missing (every node's parent must be in the tree), naming the path."""
+        norm = []
+        for p in paths:
+            try:
+                path = tuple(int(r) for r in p)
+            except (TypeError, ValueError):
+                raise ValueError(f"a tree path must be a list of child ranks, got {p!r}") from None
+            if not path or any(r < 0 for r in path):
+                raise ValueError(f"a tree path must be a non-empty list of ranks >= 0, got {list(p)!r}")
+            norm.append(path)
+        if not norm:
+            raise ValueError("a static tree needs at least one path")
+        if len(set(norm)) != len(norm):
+            dup = next(p for p in norm if norm.count(p) > 1)
+            raise ValueError(f"tree path {list(dup)} appears twice")
+        known = set(norm)
+        for p in norm:
+            if len(p) > 1 and p[:-1] not in known:
+                raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
+        ordered = tuple(sorted(norm, key=lambda p: (len(p), p)))
+        index = {p: i + 1 for i, p in enumerate(ordered)}
+        parents = (-1,) + tuple(index[p[:-1]] if len(p) > 1 else 0 for p in ordered)
+        ranks = (0,) + tuple(p[-1] for p in ordered)
+        return cls(ordered, parents, ranks)
+
+    @classmethod
+    def chain(cls, k: int) -> "TreeSpec":
+        """A linear chain of k drafts (each node's most likely child)."""
+        return cls.from_paths([(0,) * d for d in range(1, k + 1)])
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths)
 
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
@@ -179,7 +258,6 @@ class SpeculativeConfig:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.draft_quantization is not None:
-            from specserve.models.quantization import check_quantization
             self.draft_quantization = check_quantization(self.draft_quantization, "draft_quantization")
         for name in ("prompt_lookup_max", "prompt_lookup_min", "eagle_topk", "num_draft_tokens"):
             value = getattr(self, name)
@@ -202,14 +280,12 @@ class SpeculativeConfig:
         elif not self.model and self.method == SpeculativeMethod.DRAFT_MODEL:
             raise ValueError("speculative method 'draft_model' needs a draft 'model'")
 
-    def token_tree(self) -> "TreeSpec | None":
+    def token_tree(self) -> TreeSpec | None:
         """The static tree ``speculative_token_tree`` describes (None: dynamic).
 
         Raises:
             ValueError: a string that is not a list of paths or a preset name, or a malformed tree.
         """
-        from specserve.spec_decode.tree import EAGLE1_TREE, TreeSpec
-
         tree = self.speculative_token_tree
         if tree is None:
             return None
@@ -280,13 +356,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
-        from specserve.models.quantization import check_quantization
-
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         spec = self.speculative_config
         if spec is not None and spec.method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE) and not spec.model:
-            from specserve.models.registry import builtin_heads, shipped_head_for
-
             spec.model = shipped_head_for(self.model)
             if spec.model is None:
                 raise ValueError(f"speculative method {getattr(spec.method, 'value', spec.method)!r} needs a draft "

@@ -36,20 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-QUANTIZATIONS = ("none", "int8", "int4")
+from specserve.config import QUANTIZATIONS, check_quantization  # noqa: F401  (validated with the configs)
+
 SUPERBLOCK = 256
 _ROWS_PER_CHUNK = 8192
 _HIGH_PRECISION_GGUF = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K", "F16", "BF16", "F32", "F64"}
 _FLOAT_GGUF = {"F16", "BF16", "F32", "F64"}
-
-
-def check_quantization(value, what: str = "quantization") -> str:
-    """``value`` normalised (None -> "none"); raises ValueError naming it when unknown."""
-    if value is None:
-        return "none"
-    if not isinstance(value, str) or value.lower() not in QUANTIZATIONS:
-        raise ValueError(f"unknown {what} {value!r}; choose from {', '.join(QUANTIZATIONS)}")
-    return value.lower()
 
 
 @dataclass

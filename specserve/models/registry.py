@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from specserve.shipped_heads import HEADS_DIR, builtin_heads, shipped_head_for  # noqa: F401  (re-exported)
+
 
 class ModelNotFoundError(ValueError):
     """The model string names nothing we can find (missing path, packages, unknown name, offline hub)."""
@@ -268,24 +270,6 @@ def assemble(name: str, cache: Path) -> Path:
 
 
 # ------------------------------------------------------------------ draft heads
-HEADS_DIR = Path(__file__).resolve().parents[1] / "heads"
-
-
-def builtin_heads() -> list[str]:
-    """Names of the trained draft heads shipped in the package (``specserve/heads/<name>/``)."""
-    if not HEADS_DIR.is_dir():
-        return []
-    return sorted(p.name for p in HEADS_DIR.iterdir() if (p / "config.json").is_file())
-
-
-def shipped_head_for(target: str) -> str | None:
-    """The shipped head trained for ``target`` (a built-in name, or a path whose file or folder
-    name is one: ``<target>-head``), or None. Heads ship with their target as DeepSeek-V3's MTP
-    layers do, so ``method="mtp"`` / ``"eagle"`` need no ``model``."""
-    name = Path(str(target)).name.removesuffix(".gguf")
-    return f"{name}-head" if f"{name}-head" in builtin_heads() else None
-
-
 def resolve_head(name: str) -> Path:
     """The folder of draft head ``name``: a path, or the name of a shipped head.
 

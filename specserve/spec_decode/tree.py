@@ -35,77 +35,11 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from specserve.config import EAGLE1_TREE, TreeSpec  # noqa: F401  (tree shapes are configuration)
 from specserve.kv_cache.kv_cache import move_kv_slots
 
 if TYPE_CHECKING:
     from specserve.structured_output import GrammarState
-
-# EAGLE-1's default tree (its repository's ``mc_sim_7b_63`` choice): 25 draft tokens, depth 5.
-EAGLE1_TREE: tuple[tuple[int, ...], ...] = (
-    (0,), (1,), (2,), (3,),
-    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
-    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
-    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
-    (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
-)
-
-
-@dataclass(frozen=True)
-class TreeSpec:
-    """A static tree shape: draft nodes as paths of child ranks, breadth-first.
-
-    Attributes:
-        paths: ``N`` paths, sorted by depth then rank; node i (1-based in a :class:`DraftTree`) is
-            ``paths[i - 1]``.
-        parents: ``[N + 1]`` parent node of each node, ``parents[0] = -1`` (the root).
-        ranks: ``[N + 1]`` rank of each node among its parent's children (0 = most likely).
-    """
-
-    paths: tuple[tuple[int, ...], ...]
-    parents: tuple[int, ...]
-    ranks: tuple[int, ...]
-
-    @classmethod
-    def from_paths(cls, paths) -> "TreeSpec":
-        """Raises ValueError for an empty list, a rank < 0, a duplicate path or a path whose prefix
-        is missing (every node's parent must be in the tree), naming the path."""
-        norm = []
-        for p in paths:
-            try:
-                path = tuple(int(r) for r in p)
-            except (TypeError, ValueError):
-                raise ValueError(f"a tree path must be a list of child ranks, got {p!r}") from None
-            if not path or any(r < 0 for r in path):
-                raise ValueError(f"a tree path must be a non-empty list of ranks >= 0, got {list(p)!r}")
-            norm.append(path)
-        if not norm:
-            raise ValueError("a static tree needs at least one path")
-        if len(set(norm)) != len(norm):
-            dup = next(p for p in norm if norm.count(p) > 1)
-            raise ValueError(f"tree path {list(dup)} appears twice")
-        known = set(norm)
-        for p in norm:
-            if len(p) > 1 and p[:-1] not in known:
-                raise ValueError(f"tree path {list(p)} has no parent path {list(p[:-1])}")
-        ordered = tuple(sorted(norm, key=lambda p: (len(p), p)))
-        index = {p: i + 1 for i, p in enumerate(ordered)}
-        parents = (-1,) + tuple(index[p[:-1]] if len(p) > 1 else 0 for p in ordered)
-        ranks = (0,) + tuple(p[-1] for p in ordered)
-        return cls(ordered, parents, ranks)
-
-    @classmethod
-    def chain(cls, k: int) -> "TreeSpec":
-        """A linear chain of k drafts (each node's most likely child)."""
-        return cls.from_paths([(0,) * d for d in range(1, k + 1)])
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return len(self.paths)
-
-    @property
-    def depth(self) -> int:
-        return max(len(p) for p in self.paths)
-
 
 @dataclass
 class DraftTree:
