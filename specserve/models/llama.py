@@ -26,6 +26,7 @@ from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.cpu_backend import AttentionPlan, CpuAttentionBackend
 from specserve.config import ModelConfig
 from specserve.models.linear import QuantizedLinear, make_linear
+from specserve.models.parallel import ParallelLMHead, VocabParallelEmbedding, local_heads, row_parallel, unwrap
 from specserve.models.quantization import check_quantization
 
 logger = logging.getLogger(__name__)
@@ -107,20 +108,18 @@ class DecoderLayer(nn.Module):
         self.cfg = cfg
         self.rotary = rotary
         # under tensor parallelism this rank's heads (``w`` holds its shard); o_proj and down_proj
-        # then produce partial sums that the group adds up
-        self.num_heads = tp.shard.num_heads if tp is not None else cfg.num_attention_heads
-        self.num_kv_heads = tp.shard.num_kv_heads if tp is not None else cfg.num_key_value_heads
-        self.tp = tp
+        # are row-parallel: their partial sums are added up by the group (specserve.models.parallel)
+        self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
         a = prefix + "self_attn."
         qkv_b = None
         if cfg.attention_bias:
             qkv_b = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
         linear = lambda names, bias=None: make_linear([w[n] for n in names], bias, quantization, names[0])
         self.qkv_proj = linear([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"], qkv_b)
-        self.o_proj = linear([a + "o_proj.weight"])
+        self.o_proj = row_parallel(linear([a + "o_proj.weight"]), tp)
         m = prefix + "mlp."
         self.gate_up_proj = linear([m + "gate_proj.weight", m + "up_proj.weight"])
-        self.down_proj = linear([m + "down_proj.weight"])
+        self.down_proj = row_parallel(linear([m + "down_proj.weight"]), tp)
         self.input_layernorm = nn.Parameter(w[prefix + "input_layernorm.weight"], requires_grad=False)
         self.post_attention_layernorm = nn.Parameter(w[prefix + "post_attention_layernorm.weight"],
                                                      requires_grad=False)
@@ -128,10 +127,8 @@ class DecoderLayer(nn.Module):
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.attn = CpuAttentionBackend(self.num_heads, self.num_kv_heads, cfg.head_dim)
         # which of the fused ops' outputs feed an integer linear (then they quantize the rows)
-        self._quantized = tuple(isinstance(m, QuantizedLinear) for m in (self.qkv_proj, self.gate_up_proj, self.down_proj))
-
-    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.tp is None else self.tp.all_reduce(x)
+        self._quantized = tuple(isinstance(unwrap(m), QuantizedLinear)
+                                for m in (self.qkv_proj, self.gate_up_proj, self.down_proj))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor, md: AttentionMetadata, rope_tables=None) -> torch.Tensor:
@@ -145,10 +142,10 @@ class DecoderLayer(nn.Module):
         v = v.reshape(T, self.num_kv_heads, cfg.head_dim)
         q, k = self.rotary(positions, q, k, rope_tables)
         attn = self.attn.forward(q, k, v, key_cache, value_cache, md)  # [T, H, D]
-        hidden = hidden + self._reduce(self.o_proj(attn.reshape(T, self.q_size)))
+        hidden = hidden + self.o_proj(attn.reshape(T, self.q_size))
         x = rms_norm(hidden, self.post_attention_layernorm, cfg.rms_norm_eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return hidden + self._reduce(self.down_proj(F.silu(gate) * up))
+        return hidden + self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, ops, positions: torch.Tensor, hidden: torch.Tensor, delta: torch.Tensor | None,
                       key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -176,10 +173,10 @@ class DecoderLayer(nn.Module):
         hidden, *x = ops.rms_norm_rows(hidden, delta, ln1, eps, q1)
         qkv = _apply(qkv_proj, x)
         attn = self.attn.run_fused(qkv, positions, cos, sin, key_cache, value_cache, plan)
-        o = self._reduce(_apply(o_proj, [attn.view(T, self.q_size)]))
+        o = _apply(o_proj, [attn.view(T, self.q_size)])
         hidden, *x = ops.rms_norm_rows(hidden, o, ln2, eps, q2)
         x = ops.silu_mul_rows(_apply(gate_up_proj, x), q3)
-        return hidden, self._reduce(_apply(down_proj, x))
+        return hidden, _apply(down_proj, x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -209,10 +206,9 @@ class LlamaForCausalLM(nn.Module):
                  lm_head_rows: torch.Tensor | None = None):
         super().__init__()
         self.config = config
-        self.tp = tp
         max_pos = max(config.max_position_embeddings, 1)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_pos)
-        self.embed_tokens = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
+        self.embed = VocabParallelEmbedding(weights["model.embed_tokens.weight"], tp)
         self.quantization = quantization = check_quantization(quantization)
         t0 = time.perf_counter()
         layers = range(config.num_hidden_layers)
@@ -229,11 +225,10 @@ class LlamaForCausalLM(nn.Module):
         if head is None:
             head = weights["model.embed_tokens.weight"]
         self.lm_head_rows = lm_head_rows
+        ParallelLMHead.check_rows(lm_head_rows, tp)
         if lm_head_rows is not None:
-            if tp is not None:
-                raise ValueError("a reduced lm_head (lm_head_rows) is not supported under tensor parallelism")
             head = head.select_rows(lm_head_rows) if hasattr(head, "select_rows") else head.index_select(0, lm_head_rows)
-        self.lm_head = make_linear([head], None, quantization, "lm_head.weight")
+        self.lm_head = ParallelLMHead(make_linear([head], None, quantization, "lm_head.weight"), config.vocab_size, tp)
         if quantization != "none":
             packed = [m for m in self.modules() if isinstance(m, QuantizedLinear)]
             logger.info("packed %d %s linears for the kernels in %.1f s: %.1f MB (16-row groups, padding included)",
@@ -248,17 +243,13 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("the decoder layers run on the PyTorch reference path: %s", why)
 
     @property
+    def embed_tokens(self) -> torch.Tensor:
+        """``[V, hidden_size]`` (this rank's rows under tensor parallelism)."""
+        return self.embed.weight
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.dtype
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids [T]`` int64 -> ``[T, hidden_size]``."""
-        if self.tp is None:
-            return F.embedding(input_ids, self.embed_tokens)
-        start, end = self.tp.shard.vocab       # this rank's rows; others contribute exact zeros
-        mine = (input_ids >= start) & (input_ids < end)
-        local = F.embedding((input_ids - start).clamp(0, end - start - 1), self.embed_tokens)
-        return self.tp.all_reduce(local * mine.unsqueeze(1).to(local.dtype))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
@@ -306,10 +297,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` (or the wider output of :meth:`forward` with auxiliary layers) ->
         ``[N, vocab_size]`` float32 logits of the rows given."""
-        logits = self.lm_head(hidden_states[:, :self.config.hidden_size].contiguous()).float()
-        if self.tp is None:
-            return logits
-        rows = self.tp.shard.vocab_shard_size      # gather equal widths, then drop the padding
-        if logits.shape[1] < rows:
-            logits = F.pad(logits, (0, rows - logits.shape[1]))
-        return torch.cat(self.tp.all_gather(logits), dim=1)[:, :self.config.vocab_size]
+        return self.lm_head(hidden_states[:, :self.config.hidden_size].contiguous())
