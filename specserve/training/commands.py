@@ -14,7 +14,8 @@ from pathlib import Path
 
 from specserve.config import DEFAULT_MODEL, DTYPES
 from specserve.entrypoints.args import engine_args
-from specserve.models.draft_head import HEAD_VARIANTS, target_layer_tensors
+from specserve.models.draft_head import target_layer_tensors
+from specserve.models.draft_head_config import HEAD_VARIANTS
 from specserve.models.quantization import QUANTIZATIONS
 from specserve.results import write_json
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
@@ -150,7 +151,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _aux_layers(value: str, variant: str, num_layers: int) -> tuple[int, ...]:
     """``--aux-layers``: "auto", "none" or comma-separated layer indices, checked against the target."""
-    from specserve.models.draft_head import default_aux_layers
+    from specserve.models.draft_head_config import default_aux_layers
 
     if value == "auto":
         return default_aux_layers(num_layers) if variant == "eagle3" else ()
@@ -337,7 +338,7 @@ def add_eval_head_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval_head(args: argparse.Namespace) -> int:
-    from specserve.models.draft_head import load_draft_head
+    from specserve.models.draft_head_checkpoint import load_draft_head
     from specserve.models.loader import load_model
     from specserve.models.registry import resolve_head
 
