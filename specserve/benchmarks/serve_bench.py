@@ -685,7 +685,8 @@ def _sigterm_as_exit(signum, frame):
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the flags describe; prints the table, writes --json/--plot. Returns the exit code."""
-    from specserve.benchmarks.bench import humaneval_prompts, machine_info
+    from specserve.benchmarks.machine import machine_info
+    from specserve.training.corpus import humaneval_prompts
 
     levels, modes = check_args(args)
     max_n = max(requests_for(c, args.num_requests) for c in levels)
