@@ -23,7 +23,7 @@ import torch
 from kernel_bench import build_other, build_other_attention
 
 from specserve.attention import cpu_backend
-from specserve.benchmarks.bench import measure_vk
+from specserve.benchmarks.verify_cost import measure_vk
 from specserve.entrypoints.llm import LLM
 from specserve.kernels import attention_ops, quant_ops
 from specserve.models.linear import QuantizedLinear

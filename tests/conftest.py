@@ -66,7 +66,7 @@ def tiny_head_data(tiny_qwen2_dir, tmp_path_factory):
     import random
 
     from specserve.entrypoints.llm import LLM
-    from specserve.models.draft_head import default_aux_layers
+    from specserve.models.draft_head_config import default_aux_layers
     from specserve.sampling_params import SamplingParams
     from specserve.training.hidden_states import PrecomputeSettings, precompute_hidden_states
 

@@ -57,7 +57,7 @@ def test_bench_json_has_positive_figures(tiny_bench_model, tmp_path, capsys):
 def test_prefill_prompts_share_no_first_block():
     """Distinct openings (no prefix-cache hit between them), each exactly the asked length, from a
     pool shorter than one prompt."""
-    from specserve.benchmarks.bench import prefill_prompts
+    from specserve.benchmarks.engine_runs import prefill_prompts
 
     prompts = prefill_prompts(list(range(50)), 120)
     assert [len(p) for p in prompts] == [120, 120, 120]

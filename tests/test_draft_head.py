@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from specserve.attention.metadata import AttentionMetadata
 from specserve.config import ModelConfig
-from specserve.models.draft_head import (DraftHead, DraftHeadConfig, PagedKV, load_draft_head,
-                                         map_checkpoint_names)
+from specserve.models.draft_head import DraftHead, PagedKV
+from specserve.models.draft_head_checkpoint import load_draft_head, map_checkpoint_names
+from specserve.models.draft_head_config import DraftHeadConfig
 
 TARGET = ModelConfig(architecture="qwen2", vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,

@@ -7,7 +7,8 @@ import torch
 
 from specserve.entrypoints.llm import LLM
 from specserve.attention.metadata import AttentionMetadata
-from specserve.models.draft_head import DraftHead, DraftHeadConfig, PagedKV
+from specserve.models.draft_head import DraftHead, PagedKV
+from specserve.models.draft_head_config import DraftHeadConfig
 from specserve.models.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.training.evaluate import (acceptance_length_stderr, chain_accuracy, conditional_acceptance,

@@ -10,6 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from specserve.benchmarks import serve_bench as sb
+from specserve.benchmarks import serve_bench_report as report
+from specserve.benchmarks import serve_bench_stats as stats
 from specserve.entrypoints.cli import build_parser, main
 
 
@@ -21,14 +23,14 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_percentile_interpolates_like_numpy():
     xs = [4.0, 1.0, 3.0, 2.0]
-    assert sb.percentile(xs, 50) == 2.5
-    assert sb.percentile(xs, 0) == 1.0 and sb.percentile(xs, 100) == 4.0
-    assert sb.percentile(list(range(101)), 99) == 99.0
-    assert sb.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
-    assert sb.percentile([7.0], 99) == 7.0
-    assert sb.percentile([], 50) is None
+    assert stats.percentile(xs, 50) == 2.5
+    assert stats.percentile(xs, 0) == 1.0 and stats.percentile(xs, 100) == 4.0
+    assert stats.percentile(list(range(101)), 99) == 99.0
+    assert stats.percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert stats.percentile([7.0], 99) == 7.0
+    assert stats.percentile([], 50) is None
     with pytest.raises(ValueError, match="101"):
-        sb.percentile([1.0], 101)
+        stats.percentile([1.0], 101)
 
 
 def _rec(t_sent, t_first, t_last, t_done, n):
@@ -39,14 +41,14 @@ def test_summarize_level():
     records = [_rec(0.0, 1.0, 4.0, 4.5, 4),   # TTFT 1, TPOT 3/3 = 1 s
                _rec(0.0, 2.0, 3.0, 3.0, 3),   # TTFT 2, TPOT 1/2 = 0.5 s
                _rec(1.0, 4.0, 4.0, 5.0, 1)]   # TTFT 3, one token: no TPOT
-    s = sb.summarize_level(records, wall_s=4.0)
+    s = stats.summarize_level(records, wall_s=4.0)
     assert s["num_requests"] == 3 and s["output_tokens"] == 8
     assert s["output_tok_s"] == 2.0
     assert s["ttft_median_s"] == 2.0 and s["ttft_p99_s"] == pytest.approx(2.98)
     assert s["tpot_median_ms"] == pytest.approx(750.0) and s["tpot_p99_ms"] == pytest.approx(995.0)
     assert s["e2e_median_s"] == 4.0
-    assert sb.request_tpot(_rec(0, None, None, 1, 0)) is None
-    assert sb.request_tpot(_rec(0, 1, 2, 2, None)) is None
+    assert stats.request_tpot(_rec(0, None, None, 1, 0)) is None
+    assert stats.request_tpot(_rec(0, 1, 2, 2, None)) is None
 
 
 def test_parse_prometheus_sums_label_sets_and_skips_comments():
@@ -58,39 +60,39 @@ specserve_spec_decode_num_accepted_tokens_total 9
 specserve_spec_decode_acceptance_length_bucket{le="+Inf",model_name="a, b"} 4
 specserve_spec_decode_acceptance_length_sum 11.5 1700000000
 """
-    m = sb.parse_prometheus(text)
-    assert m[sb.METRIC_DRAFT] == 15.0 and m[sb.METRIC_ACCEPTED] == 9.0
-    assert m[sb.METRIC_DRAFT + '{model_name="b"}'] == 5.0
+    m = stats.parse_prometheus(text)
+    assert m[stats.METRIC_DRAFT] == 15.0 and m[stats.METRIC_ACCEPTED] == 9.0
+    assert m[stats.METRIC_DRAFT + '{model_name="b"}'] == 5.0
     assert m["specserve_spec_decode_acceptance_length_sum"] == 11.5
     assert m["specserve_spec_decode_acceptance_length_bucket"] == 4.0
 
 
 def test_spec_metrics_delta():
-    before = {sb.METRIC_DRAFT: 10.0, sb.METRIC_ACCEPTED: 5.0,
-              sb.METRIC_ACC_LEN + "_sum": 8.0, sb.METRIC_ACC_LEN + "_count": 5.0}
-    after = {sb.METRIC_DRAFT: 30.0, sb.METRIC_ACCEPTED: 20.0,
-             sb.METRIC_ACC_LEN + "_sum": 33.0, sb.METRIC_ACC_LEN + "_count": 15.0}
-    steps = sb.METRIC_STEPS + '{num_speculative_tokens="%d"}'
+    before = {stats.METRIC_DRAFT: 10.0, stats.METRIC_ACCEPTED: 5.0,
+              stats.METRIC_ACC_LEN + "_sum": 8.0, stats.METRIC_ACC_LEN + "_count": 5.0}
+    after = {stats.METRIC_DRAFT: 30.0, stats.METRIC_ACCEPTED: 20.0,
+             stats.METRIC_ACC_LEN + "_sum": 33.0, stats.METRIC_ACC_LEN + "_count": 15.0}
+    steps = stats.METRIC_STEPS + '{num_speculative_tokens="%d"}'
     before.update({steps % 0: 1.0, steps % 2: 4.0, steps % 10: 1.0})
     after.update({steps % 0: 3.0, steps % 2: 9.0, steps % 10: 1.0, steps % 3: 2.0})
-    d = sb.spec_metrics_delta(before, after)
+    d = stats.spec_metrics_delta(before, after)
     assert d["draft_tokens"] == 20 and d["accepted_tokens"] == 15 and d["acceptance_rate"] == 0.75
     assert d["verify_steps"] == 10 and d["mean_acceptance_length"] == 2.5
     assert d["decode_steps_by_k"] == {"0": 2.0, "2": 5.0, "3": 2.0}
     assert list(d["decode_steps_by_k"]) == ["0", "2", "3"]
     # no speculation: counters absent or unchanged; no /metrics at all
-    assert sb.spec_metrics_delta({}, {})["acceptance_rate"] is None
-    assert sb.spec_metrics_delta(before, before)["acceptance_rate"] is None
-    assert sb.spec_metrics_delta(None, after)["acceptance_rate"] is None
+    assert stats.spec_metrics_delta({}, {})["acceptance_rate"] is None
+    assert stats.spec_metrics_delta(before, before)["acceptance_rate"] is None
+    assert stats.spec_metrics_delta(None, after)["acceptance_rate"] is None
 
 
 def test_text_agreement_counts_and_locates_differences():
     a = {"c1/0": "def f():", "c1/1": "return 1", "c2/0": "x"}
     b = {"c1/0": "def f():", "c1/1": "return 2", "c2/0": "x", "c4/0": "only here"}
-    r = sb.text_agreement(a, b)
+    r = stats.text_agreement(a, b)
     assert (r["identical"], r["total"]) == (2, 3)
     assert r["differences"] == [{"request": "c1/1", "first_diff_char": 7}]
-    assert sb.text_agreement({"k": "ab"}, {"k": "abc"})["differences"][0]["first_diff_char"] == 2
+    assert stats.text_agreement({"k": "ab"}, {"k": "abc"})["differences"][0]["first_diff_char"] == 2
 
 
 # ----------------------------------------------------------------------------------------- report
@@ -100,15 +102,15 @@ def _result():
         return {"concurrency": c, "num_requests": 8, "output_tokens": 512, "wall_s": 512 / tok_s,
                 "output_tok_s": tok_s, "ttft_median_s": 0.5, "ttft_p99_s": 1.25, "tpot_median_ms": 100.0,
                 "tpot_p99_ms": 150.0, "e2e_median_s": 7.0, "e2e_p99_s": 8.0,
-                "spec_decode": sb.spec_metrics_delta({}, {} if acc is None else
-                                                     {sb.METRIC_DRAFT: 10, sb.METRIC_ACCEPTED: 10 * acc}),
+                "spec_decode": stats.spec_metrics_delta({}, {} if acc is None else
+                                                     {stats.METRIC_DRAFT: 10, stats.METRIC_ACCEPTED: 10 * acc}),
                 "requests": [{"index": 0, "text": "t"}]}
     result = {"machine": {"cpu": "cpu", "cpu_count": 2, "torch": "2"},
               "config": {"model": "m", "dtype": "float32", "speculative_model": "d", "num_speculative_tokens": 2,
                          "modes": ["none", "spec"], "concurrency": [1, 4], "num_prompts": 8, "max_tokens": 64},
               "runs": [{"mode": "none", "levels": [level(1, 10.0), level(4, 20.0)]},
                        {"mode": "spec", "levels": [level(1, 15.0, 0.8), level(4, 20.0, 0.5)]}]}
-    sb.add_speedups(result)
+    stats.add_speedups(result)
     return result
 
 
@@ -116,7 +118,7 @@ def test_speedups_and_markdown_table():
     result = _result()
     assert [lv["speedup_vs_none"] for run in result["runs"] for lv in run["levels"]] == [1.0, 1.0, 1.5, 1.0]
     result["agreement"] = {"identical": 3, "total": 4, "differences": [{"request": "c4/3", "first_diff_char": 9}]}
-    md = sb.render_markdown(result)
+    md = report.render_markdown(result)
     assert "| mode | concurrency | requests | output tok/s | speedup vs none |" in md
     assert "| none | 1 | 8 | 10.00 | 1.00 | 0.500 | 1.250 | 100.0 | 150.0 | - | - | - |" in md
     assert "| spec | 1 | 8 | 15.00 | 1.50 | 0.500 | 1.250 | 100.0 | 150.0 | 0.80 | - | - |" in md
@@ -141,24 +143,24 @@ def test_paired_round_speedups_and_table():
                          "modes": ["none", "spec"], "concurrency": [4], "num_prompts": 8, "max_tokens": 64},
               "runs": [{"mode": "none", "levels": [level([10.0, 20.0, 12.0])]},
                        {"mode": "spec", "levels": [level([11.0, 18.0, 20.0], {"0": 4.0, "2": 30.0, "1": 2.0})]}]}
-    sb.add_speedups(result)
+    stats.add_speedups(result)
     spec = result["runs"][1]["levels"][0]
     assert spec["round_speedups"] == pytest.approx([1.1, 0.9, 20 / 12])
     assert spec["speedup_vs_none"] == pytest.approx(1.1)
     assert result["runs"][0]["levels"][0]["speedup_vs_none"] == 1.0
     assert "round_speedups" not in result["runs"][0]["levels"][0]
-    md = sb.render_markdown(result)
+    md = report.render_markdown(result)
     assert ("| spec | 4 | 8 | 18.00 (11.00, 18.00, 20.00) | 1.10 (1.10, 0.90, 1.67) | 0.500 | 1.250 "
             "| 100.0 | 150.0 | - | - | k=2: 30, k=1: 2, k=0: 4 |") in md
     # a mode without rounds next to one with them falls back to the ratio of the figures
     del result["runs"][1]["levels"][0]["rounds"]
-    sb.add_speedups(result)
+    stats.add_speedups(result)
     assert result["runs"][1]["levels"][0]["speedup_vs_none"] == pytest.approx(18.0 / 12.0)
 
 
 def test_write_plot(tmp_path):
     path = tmp_path / "sub" / "serve.png"
-    assert sb.write_plot(_result(), str(path)) is None
+    assert report.write_plot(_result(), str(path)) is None
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -237,7 +239,7 @@ class _StubServer(BaseHTTPRequestHandler):
             self._send(json.dumps({"object": "list", "data": [{"id": "stub-model"}]}).encode())
         elif self.path == "/metrics":
             n = type(self).requests
-            self._send(f"{sb.METRIC_DRAFT} {4 * n}\n{sb.METRIC_ACCEPTED} {3 * n}\n".encode(), "text/plain")
+            self._send(f"{stats.METRIC_DRAFT} {4 * n}\n{stats.METRIC_ACCEPTED} {3 * n}\n".encode(), "text/plain")
         else:
             self._send(b"{}")
 
@@ -300,7 +302,7 @@ def test_combine_rounds():
     rounds = [_round(10.0, [1.0, 2.0], 20, 10, 10, 2.0, {"0": 3.0, "2": 10.0}),
               _round(30.0, [3.0], 60, 60, 30, 3.0, {"2": 30.0}),
               _round(12.0, [4.0, 5.0], 0, 0, 0, None, {"0": 5.0})]
-    lv = sb.combine_rounds(rounds)
+    lv = stats.combine_rounds(rounds)
     assert lv["output_tok_s"] == 12.0 and lv["num_requests"] == 5 and lv["output_tokens"] == 40
     assert lv["wall_s"] == pytest.approx(1.6 + 8 / 30 + 16 / 12)
     assert lv["ttft_median_s"] == 3.0 and lv["ttft_p99_s"] == pytest.approx(4.96)
@@ -311,8 +313,8 @@ def test_combine_rounds():
     assert sd["decode_steps_by_k"] == {"0": 8.0, "2": 40.0}
     assert [r["round"] for r in lv["requests"]] == [0, 0, 1, 2, 2]
     assert [r["output_tok_s"] for r in lv["rounds"]] == [10.0, 30.0, 12.0]
-    assert sorted(sb.mode_texts({"levels": [lv]})) == ["c4/r0/0", "c4/r0/1", "c4/r1/0", "c4/r2/0", "c4/r2/1"]
-    assert sb.combine_rounds(rounds[:1]) is rounds[0]
+    assert sorted(stats.mode_texts({"levels": [lv]})) == ["c4/r0/0", "c4/r0/1", "c4/r1/0", "c4/r2/0", "c4/r2/1"]
+    assert stats.combine_rounds(rounds[:1]) is rounds[0]
 
 
 def test_interleaved_rounds_reverse_the_order(monkeypatch):

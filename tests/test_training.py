@@ -178,7 +178,8 @@ def test_token_limited_split_takes_documents_in_the_corpus_order(tiny_data):
 def test_bfloat16_mixed_precision_matches_float32_closely(tiny_qwen2_dir, tiny_data):
     """Under ``mixed_precision="bfloat16"`` the matmuls run in bfloat16 (the loss moves, so autocast
     is on) while the loss and its gradient stay within bfloat16's rounding of float32's."""
-    from specserve.models.draft_head import DraftHead, DraftHeadConfig
+    from specserve.models.draft_head import DraftHead
+    from specserve.models.draft_head_config import DraftHeadConfig
     from specserve.training.trainer import autocast, head_losses
 
     out, _ = tiny_data
@@ -236,7 +237,8 @@ def test_padding_a_batch_to_a_length_multiple_leaves_the_loss_unchanged(tiny_qwe
     """``length_multiple`` pads a batch past its longest segment with masked rows: the shape is a
     multiple, the padding is masked out, and the loss and gradient (float32, eager) equal the
     unpadded batch's to rounding."""
-    from specserve.models.draft_head import DraftHead, DraftHeadConfig
+    from specserve.models.draft_head import DraftHead
+    from specserve.models.draft_head_config import DraftHeadConfig
     from specserve.training.trainer import head_losses
 
     out, _ = tiny_data
@@ -288,7 +290,8 @@ def test_feature_noise_is_uniform_and_scaled_by_each_vectors_rms():
 
 def test_feature_noise_only_while_training(tiny_qwen2_dir, tiny_data):
     """The noise perturbs the training loss and leaves evaluation (``head.eval()``) exact."""
-    from specserve.models.draft_head import DraftHead, DraftHeadConfig
+    from specserve.models.draft_head import DraftHead
+    from specserve.models.draft_head_config import DraftHeadConfig
     from specserve.training.trainer import head_losses
 
     out, _ = tiny_data

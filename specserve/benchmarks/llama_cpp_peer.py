@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -28,6 +29,18 @@ def _llama_cpp():
         raise ValueError("--peers llama.cpp needs llama-cpp-python: pip install -e '.[bench]' "
                          "(builds llama.cpp from source, several minutes)") from None
     return llama_cpp
+
+
+def gguf_path(model: str) -> str:
+    """The GGUF file behind ``model`` (a built-in name or a .gguf path), for llama.cpp."""
+    from specserve.models.loader import resolve_gguf
+    from specserve.models.registry import get_entry
+
+    if get_entry(model) is not None:
+        return str(resolve_gguf(model))
+    if str(model).lower().endswith(".gguf") and Path(model).expanduser().is_file():
+        return str(Path(model).expanduser())
+    raise ValueError(f"--peers llama.cpp needs a GGUF model (a built-in name or a .gguf file), got {model!r}")
 
 
 def _open(path: str, n_ctx: int, threads: int, **kw):

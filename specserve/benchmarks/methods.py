@@ -75,8 +75,7 @@ def benchmark_prompts(tokenizer, num_humaneval: int, num_specbench: int) -> list
     """``(name, token ids)``: HumanEval/0.. raw, then Spec-Bench first turns through the chat
     template, spread over the held-out questions (every n-th, so all categories appear; never
     trained on, see :func:`~specserve.training.corpus.spec_bench_eval_questions`)."""
-    from specserve.benchmarks.bench import humaneval_prompts
-    from specserve.training.corpus import spec_bench_eval_questions
+    from specserve.training.corpus import humaneval_prompts, spec_bench_eval_questions
 
     out = [(f"HumanEval/{i}", list(tokenizer.encode(p)))
            for i, p in enumerate(humaneval_prompts(num_humaneval) if num_humaneval else [])]
@@ -91,7 +90,9 @@ def benchmark_prompts(tokenizer, num_humaneval: int, num_specbench: int) -> list
 
 
 def run_methods_bench(args: argparse.Namespace) -> int:
-    from specserve.benchmarks.bench import _engine_args, agreement, bench_specserve, load_average, machine_info
+    from specserve.benchmarks.bench import _engine_args
+    from specserve.benchmarks.engine_runs import agreement, bench_specserve
+    from specserve.benchmarks.machine import load_average, machine_info
     from specserve.engine.engine import LLMEngine
 
     methods = parse_methods(args.methods)

@@ -21,7 +21,7 @@ import textwrap
 
 from tqdm.auto import tqdm
 
-from specserve.benchmarks.bench import machine_info
+from specserve.benchmarks.machine import machine_info
 from specserve.config import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_QUANTIZATION
 from specserve.entrypoints.llm import LLM
 from specserve.results import write_json

