@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from specserve.benchmarks.plotting import load_pyplot
+from specserve.plotting import load_pyplot
 
 
 def load(results: Path) -> list[dict]:

@@ -28,7 +28,7 @@ from specserve.entrypoints.llm import LLM
 from specserve.kernels import attention_ops, quant_ops
 from specserve.models.linear import QuantizedLinear
 from specserve.sampling_params import SamplingParams
-from specserve.training.corpus import stdlib_documents
+from specserve.data.corpora import stdlib_documents
 from specserve.training.hidden_states import _run_segments
 
 

@@ -33,9 +33,9 @@ from specserve.benchmarks.engine_runs import agreement, bench_specserve, measure
 from specserve.benchmarks.hf_peer import bench_hf, load_hf_model
 from specserve.benchmarks.llama_cpp_peer import gguf_path
 from specserve.benchmarks.machine import load_average, machine_info
-from specserve.benchmarks.plotting import write_results
+from specserve.plotting import write_results
 from specserve.benchmarks.verify_cost import measure_vk, step_breakdown
-from specserve.training.corpus import humaneval_prompts
+from specserve.data.corpora import humaneval_prompts
 
 
 # ----------------------------------------------------------------------------------------- args
@@ -121,14 +121,13 @@ def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list
     """Draft-target speculation at each k of ``--spec-ks``, one engine, same prompts as ``baseline``.
     k is fixed for each run (adaptive speculation off): the table is speed as a function of k."""
     from specserve.engine.engine import LLMEngine
-    from specserve.metrics import SpecDecodeStats
 
     ks = [int(k) for k in args.spec_ks.split(",") if k.strip()]
     engine = LLMEngine(_engine_args(args, dict(spec_cfg, num_speculative_tokens=ks[0], adaptive=False)))
     runs = []
     for k in ks:
-        engine.spec_config.num_speculative_tokens = k  # read at every step
-        engine.spec_stats = SpecDecodeStats()
+        engine.set_num_speculative_tokens(k)
+        engine.reset_spec_stats()
         r = bench_specserve(engine, prompt_ids, args.max_tokens, args.batch_size)
         r["k"], r["draft"] = k, spec_cfg.get("model") or spec_cfg["method"]
         r["spec_decode"] = engine.spec_stats.as_dict()
@@ -136,9 +135,8 @@ def bench_speculative(args: argparse.Namespace, spec_cfg: dict, prompt_ids: list
         r["speedup_decode_median"] = r["summary"]["decode_tok_s_median"] / baseline["summary"]["decode_tok_s_median"]
         r["speedup_e2e_aggregate"] = r["summary"]["e2e_tok_s_aggregate"] / baseline["summary"]["e2e_tok_s_aggregate"]
         runs.append(r)
-    proposer = getattr(engine.worker, "proposer", None)
-    if getattr(proposer, "runner", None) is not None:   # a draft model: its decode step, as the target's
-        runs[0]["draft_breakdown"] = step_breakdown(engine, proposer.runner, "draft", args.context_len)
+    if getattr(engine.proposer, "runner", None) is not None:   # a draft model: its decode step, as the target's
+        runs[0]["draft_breakdown"] = step_breakdown(engine, "draft", args.context_len)
     del engine
     gc.collect()
     return runs
@@ -159,7 +157,7 @@ def bench_quality(args: argparse.Namespace, with_llama_cpp: bool) -> dict:
         print(f"quality: {quantization}", file=sys.stderr)
         out = teacher_forced(engine, segments)
         reference = reference or out["argmax"]
-        linears = [m for m in engine.model.modules() if isinstance(m, (BatchInvariantLinear, QuantizedLinear))]
+        linears = [m for m in engine.target.model.modules() if isinstance(m, (BatchInvariantLinear, QuantizedLinear))]
         rows.append({"quantization": quantization, "top1_agreement": agreement_rate(out["argmax"], reference),
                      "perplexity": out["perplexity"], "linear_gb": sum(m.nbytes for m in linears) / 1e9})
         del engine
@@ -240,7 +238,7 @@ def run_bench(args: argparse.Namespace) -> int:
     while len(context) < args.context_len:
         context += context or [0]
     result["vk"] = measure_vk(engine, context[:args.context_len], args.max_k, args.repeats)
-    result["decode_breakdown"] = [step_breakdown(engine, engine.runner, "target", args.context_len)]
+    result["decode_breakdown"] = [step_breakdown(engine, "target", args.context_len)]
     loads["after_vk"] = load_average()
     prefill = prefill_prompts(context, args.prefill_len) if args.prefill_len else []
     if prefill:

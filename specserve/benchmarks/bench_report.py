@@ -2,7 +2,7 @@
 speedup by k."""
 from __future__ import annotations
 
-from specserve.benchmarks.plotting import load_pyplot
+from specserve.plotting import load_pyplot
 
 
 def _fmt(x: float | None, nd: int = 2) -> str:

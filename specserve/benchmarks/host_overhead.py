@@ -188,7 +188,7 @@ def run_decode_breakdown(args) -> list[dict]:
 def plot_breakdown(rows: list[dict], path: str) -> str | None:
     """Stacked bars per model and context: the linears and the rest of a step, the floor marked.
     Returns a note instead of a plot where matplotlib is missing."""
-    from specserve.benchmarks.plotting import load_pyplot
+    from specserve.plotting import load_pyplot
 
     plt, note = load_pyplot(path)
     if plt is None:

@@ -22,7 +22,7 @@ import gc
 import sys
 from pathlib import Path
 
-from specserve.benchmarks.plotting import load_pyplot, write_results
+from specserve.plotting import load_pyplot, write_results
 
 METHODS = ("none", "ngram", "draft_model", "mtp", "eagle-static", "eagle-dynamic")
 
@@ -75,7 +75,7 @@ def benchmark_prompts(tokenizer, num_humaneval: int, num_specbench: int) -> list
     """``(name, token ids)``: HumanEval/0.. raw, then Spec-Bench first turns through the chat
     template, spread over the held-out questions (every n-th, so all categories appear; never
     trained on, see :func:`~specserve.training.corpus.spec_bench_eval_questions`)."""
-    from specserve.training.corpus import humaneval_prompts, spec_bench_eval_questions
+    from specserve.data.corpora import humaneval_prompts, spec_bench_eval_questions
 
     out = [(f"HumanEval/{i}", list(tokenizer.encode(p)))
            for i, p in enumerate(humaneval_prompts(num_humaneval) if num_humaneval else [])]

@@ -18,7 +18,7 @@ import torch
 
 def quality_text() -> str:
     """HumanEval canonical solutions, then Spec-Bench first turns (deterministic order)."""
-    from specserve.training.corpus import humaneval_file, spec_bench_questions
+    from specserve.data.corpora import humaneval_file, spec_bench_questions
 
     parts = []
     with gzip.open(humaneval_file(), "rt", encoding="utf-8") as f:

@@ -52,7 +52,7 @@ import threading
 from urllib.parse import urlparse
 
 from specserve.benchmarks.completions_client import ServerError, run_level, served_model, scrape_metrics
-from specserve.benchmarks.plotting import write_results
+from specserve.plotting import write_results
 from specserve.benchmarks.server_process import HOST, ServerProcess
 from specserve.benchmarks.serve_bench_report import render_markdown, write_plot
 from specserve.benchmarks.serve_bench_stats import (add_speedups, combine_rounds, mode_texts, request_tpot,
@@ -268,7 +268,7 @@ def _sigterm_as_exit(signum, frame):
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the flags describe; prints the table, writes --json/--plot. Returns the exit code."""
     from specserve.benchmarks.machine import machine_info
-    from specserve.training.corpus import HUMANEVAL_SIZE, humaneval_prompts
+    from specserve.data.corpora import HUMANEVAL_SIZE, humaneval_prompts
 
     levels, modes = check_args(args)
     max_n = max(requests_for(c, args.num_requests) for c in levels)

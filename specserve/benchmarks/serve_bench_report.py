@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.benchmarks.plotting import load_pyplot
+from specserve.plotting import load_pyplot
 
 
 def _fmt(x: float | None, nd: int = 2) -> str:

@@ -26,7 +26,7 @@ from specserve.config import DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_QUANTIZATION
 from specserve.entrypoints.llm import LLM
 from specserve.results import write_json
 from specserve.sampling_params import SamplingParams, StructuredOutputsParams
-from specserve.training.corpus import spec_bench_eval_questions
+from specserve.data.corpora import spec_bench_eval_questions
 
 SCHEMA = {"type": "object",
           "properties": {"answer": {"type": "string", "maxLength": 300},

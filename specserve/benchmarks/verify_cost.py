@@ -11,42 +11,31 @@ import statistics
 import sys
 import time
 
-VK_SEQ_ID = -1_000_001  # dedicated block-manager sequence id for the V(k) measurement
 
 
-def step_breakdown(engine, runner, role: str, context_len: int) -> dict:
-    """One decode step of ``runner``'s model at ``context_len``: time in the linears and outside,
-    bytes read and the floor they set (:func:`specserve.benchmarks.host_overhead.decode_breakdown`)."""
+def step_breakdown(engine, role: str, context_len: int) -> dict:
+    """One decode step of the engine's target (``role="draft"``: its draft model) at
+    ``context_len``: time in the linears and outside, bytes read and the floor they set
+    (:func:`specserve.benchmarks.host_overhead.decode_breakdown`)."""
     from specserve.benchmarks.host_overhead import decode_breakdown, read_bandwidth_gbs
 
-    seq = VK_SEQ_ID - 1
-    engine.block_manager.allocate(seq, context_len + 1)
-    try:
-        return {"role": role, **decode_breakdown(runner, engine.block_manager.block_table(seq), context_len,
-                                                 read_bandwidth_gbs(256), repeats=20)}
-    finally:
-        engine.block_manager.free(seq)
+    with engine.scratch_sequence(context_len + 1, model=role) as seq:
+        return {"role": role, **decode_breakdown(seq, context_len, read_bandwidth_gbs(256), repeats=20)}
 
 
 def measure_vk(engine, context_ids: list[int], max_k: int, repeats: int, warmup: int = 2) -> dict:
     """V(k) for k = 1..max_k with ``context_ids`` prefilled (see module doc)."""
     from tqdm import tqdm
 
-    from specserve.worker.model_runner import ModelInput
-
-    runner, bm = engine.runner, engine.block_manager
     ctx = len(context_ids)
     vocab = engine.model_config.vocab_size
     new_ids = [(context_ids[i % ctx] if ctx else 0) % vocab for i in range(max_k + 1)]
-    bm.allocate(VK_SEQ_ID, ctx + max_k + 1)
-    try:
-        table = bm.block_table(VK_SEQ_ID)
-        runner.forward([ModelInput(list(context_ids), 0, table)])  # prefill
+    with engine.scratch_sequence(ctx + max_k + 1) as seq:
+        seq.forward(list(context_ids), 0)  # prefill
 
         def timed(m: int) -> float:
             t = time.perf_counter()
-            fwd = runner.forward([ModelInput(new_ids[:m], ctx, table)])
-            runner.compute_logits(fwd.hidden_states, list(range(m)))
+            seq.logits(seq.forward(new_ids[:m], ctx), list(range(m)))
             return time.perf_counter() - t
 
         for m in range(1, max_k + 2):  # warm up every shape once (oneDNN primitive creation)
@@ -64,8 +53,6 @@ def measure_vk(engine, context_ids: list[int], max_k: int, repeats: int, warmup:
                     tk_all[k].append(tk)
                     ratios[k].append(tk / t1)
                     bar.update(1)
-    finally:
-        bm.free(VK_SEQ_ID)
     return {
         "context_len": ctx, "repeats": repeats,
         "t1_ms_median": 1000 * statistics.median(t1_all),

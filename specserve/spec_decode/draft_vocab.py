@@ -50,7 +50,7 @@ def corpus_token_counts(tokenizer, vocab_size: int) -> torch.Tensor:
     """``[vocab_size]`` int64: how often each token occurs in the corpus (see the module doc),
     cached under ``<cache>/draft_vocab/`` by a hash of the tokenizer's vocabulary."""
     from specserve.cache_dir import default_cache_dir
-    from specserve.training.corpus import source_documents, spec_bench_train_questions
+    from specserve.data.corpora import source_documents, spec_bench_train_questions
 
     vocab = tokenizer.get_vocab()
     key = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]

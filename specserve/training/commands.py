@@ -279,7 +279,7 @@ def _end_process_group() -> int:
 def _eval(target: str, head: str, num_prompts: int, k: int, max_tokens: int, dtype: str,
           quantization: str = "none", num_specbench: int = 0, draft_quantization: str | None = None,
           **tree_and_checks) -> dict:
-    from specserve.training.corpus import humaneval_prompts, spec_bench_eval_questions
+    from specserve.data.corpora import humaneval_prompts, spec_bench_eval_questions
     from specserve.training.evaluate import evaluate_head_in_engine
 
     if not 1 <= num_prompts <= HUMANEVAL_EVAL_PROMPTS:

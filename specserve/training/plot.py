@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specserve.benchmarks.plotting import load_pyplot
+from specserve.plotting import load_pyplot
 
 
 def read_log(path: str | Path) -> list[dict]:
