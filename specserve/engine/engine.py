@@ -19,6 +19,7 @@ import torch
 
 from specserve.config import DEFAULT_MODEL, DTYPES, EngineArgs, SchedulerConfig, resolve_kv_cache_dtype
 from specserve.distributed.target import build_target
+from specserve.engine.input_processor import InputProcessor
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.request import Request
 from specserve.engine.scheduler import Scheduler
@@ -27,9 +28,7 @@ from specserve.kv_cache.block_manager import BlockManager
 from specserve.metrics import SpecDecodeStats, StepStats
 from specserve.models.loader import LoadedModel, load_model
 from specserve.outputs import RequestOutput
-from specserve.sample.sampler import make_generator
 from specserve.sampling_params import SamplingParams
-from specserve.structured_output import GrammarCompiler
 from specserve.worker.base import Worker
 from specserve.worker.target_worker import TargetWorker
 
@@ -57,8 +56,6 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         loaded = loaded if loaded is not None else load_model(args.model, dtype=dtype, quantization=args.quantization)
         self.load_stats, self.model_config, self.tokenizer = loaded.load_stats, loaded.config, loaded.tokenizer
-        cfg = loaded.config
-        self.grammar_compiler = GrammarCompiler(loaded.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         self.target = build_target(args, loaded, dtype, kv_dtype)
         try:
             self.worker: Worker = self._build_worker(loaded_draft, dtype, kv_dtype)
@@ -67,6 +64,8 @@ class LLMEngine:
             raise
         self.target.shared_weights = None   # a head has taken what it shares
         self.max_model_len = self.target.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len)
+        self.grammar_compiler = self.input_processor.grammar_compiler   # the server compiles schemas early
         self.scheduler_config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len)
         self.block_manager = BlockManager(self.target.num_blocks, args.block_size, args.enable_prefix_caching,
                                           self.worker)
@@ -111,40 +110,13 @@ class LLMEngine:
         self.target.keepalive(idle_s)
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
-
     def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Check one request before it enters the engine; returns its prompt token ids.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt too long for
-                max_model_len, params that are not ``SamplingParams``, or an invalid schema, regex
-                or grammar in ``structured_outputs``; the message names the value.
+            ValueError: see :meth:`~specserve.engine.input_processor.InputProcessor.validate`.
         """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str) and not prompt:
-            raise ValueError("prompt is empty: give at least one character or token id")
-        ids = self.tokenize(prompt)
-        if not ids:
-            raise ValueError(f"prompt {prompt!r} has no tokens")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > vocab:
-                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                             f"it must be shorter to leave room for output")
-        if params.structured_outputs is not None:
-            self.grammar_compiler.compile(params.structured_outputs)   # cached: add_request reuses it
-        return ids
+        return self.input_processor.validate(prompt, params)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     prompt_token_ids: list[int] | None = None) -> str:
@@ -157,16 +129,7 @@ class LLMEngine:
         request_id = str(next(self._request_counter)) if request_id is None else request_id
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        now = time.perf_counter()
-        seqs = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            seq = Request(request_id, next(self._seq_ids), ids, params, make_generator(seed),
-                          self.model_config.eos_token_ids, index=i, prompt=text, arrival_time=now)
-            if params.structured_outputs is not None:
-                seq.grammar = self.grammar_compiler.new_state(params.structured_outputs)
-            seqs.append(seq)
+        seqs = self.input_processor.make_requests(request_id, prompt, ids, params, self._seq_ids)
         self.output_processor.add(request_id, seqs)
         for s in seqs:
             self.scheduler.add(s)
