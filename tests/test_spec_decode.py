@@ -215,7 +215,7 @@ def test_int8_draft_keeps_output_exact(tiny_qwen2_dir, drafts, reference):
     llm = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "adaptive": False, "model": drafts["perturbed"],
                                                   "num_speculative_tokens": 4, "draft_quantization": "int8"})
     draft = llm.llm_engine.proposer.runner.model
-    assert isinstance(draft.lm_head, QuantizedLinear) and draft.lm_head.parts[0].layout == "int8"
+    assert isinstance(draft.lm_head.linear, QuantizedLinear) and draft.lm_head.linear.parts[0].layout == "int8"
     assert token_ids(llm.generate(prompts(), GREEDY)) == reference["batch"]
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 

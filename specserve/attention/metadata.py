@@ -3,8 +3,10 @@
 A batch holds ``B`` sequences whose new tokens are concatenated into ``T`` rows. Sequence ``b``
 contributes ``query_lens[b]`` new tokens (1 for decode, k+1 for a speculative verify, the prompt or
 a chunk of it for prefill) on top of ``seq_lens[b] - query_lens[b]`` tokens already in the paged KV
-cache. The same metadata serves every backend (PyTorch here, FlashInfer on CUDA): block tables and
-slot mappings name pages, never tensors of one model, so target and draft share it.
+cache. The same metadata serves both backends (``cpu_backend.py``'s kernels and ``torch_backend.py``'s
+PyTorch reference): block tables and slot mappings name pages, never tensors of one model, so
+target and draft share it. Its fields are those a paged-attention library planning from block tables
+(FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``, say) would read; no such backend exists yet.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ class AttentionMetadata:
         block_tables: ``[B, max_num_blocks]`` int32, page ids (padded with 0).
         slot_mapping: ``[T]`` int64, flat cache slot (``page * block_size + offset``) of each new token.
         kv_slot_ids: per sequence, ``[seq_lens[b]]`` int64 slots of all its tokens in position order
-            (the PyTorch backend gathers K/V through them; FlashInfer reads ``block_tables``).
+            (the PyTorch backend gathers K/V through them; the kernels read them flattened, ``AttentionPlan``).
         tree_masks: optional, per sequence ``[query_len, block_len]`` bool or None, where the
             *draft block* is the last ``block_len >= query_len`` tokens of the sequence (the new
             tokens last). ``True`` where a new token may attend to a block token. Everything before
