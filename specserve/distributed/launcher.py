@@ -6,8 +6,9 @@ Two ways in, as in vLLM:
   shard of the weights (through shared memory: workers never read model files) and becomes rank 0;
 * under ``torchrun`` (``WORLD_SIZE`` equal to ``tensor_parallel_size`` in the environment) every
   rank runs the same program; each loads the model and keeps its shard, rank 0 goes on as the
-  engine and the other ranks serve it from inside the engine's constructor, then exit the process
-  (``SystemExit(0)``) when the leader shuts down.
+  engine and the other ranks serve it from inside :func:`~specserve.distributed.target.build_target`
+  (called by the engine's constructor), then exit the process (``SystemExit(0)``) when the leader
+  shuts down.
 
 Faults: the leader notices a worker that exits (its exit code, and the traceback it sent) before
 every step and in ``/health``; a worker that hangs fails the next collective after the compute
