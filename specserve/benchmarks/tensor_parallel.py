@@ -35,22 +35,15 @@ from specserve.sampling_params import SamplingParams
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
-def _snapshot(group) -> dict:
-    return {k: list(v) for k, v in group.stats.items()} if group is not None else {}
-
-
 def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
     """Decode ``batch_size`` requests; per decode step: wall ms and (TP > 1) the collectives' share."""
     engine = llm.llm_engine
-    launcher = getattr(engine.target, "launcher", None)   # the ranks, under tensor parallelism
-    group = launcher.group if launcher is not None else None
-    channel = launcher.runner.channel if launcher is not None else None
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(batch_size):
         engine.add_request(f"b{batch_size}-{i}-{time.monotonic_ns()}", PROMPT * (1 + i % 3), params)
     steps, comms, sent, used = [], [], [], []
     while engine.has_unfinished_requests():
-        before, b0 = _snapshot(group), (channel.bytes_sent, channel.bytes_used) if channel else (0, 0)
+        before = engine.target.communication_stats()   # None on one rank
         decode = next_step_is_decode(engine)
         t = time.perf_counter()
         engine.step()
@@ -58,12 +51,13 @@ def measure(llm: LLM, batch_size: int, max_tokens: int) -> dict:
         if not decode:
             continue
         steps.append(dt)
-        if group is not None:
-            after = group.stats
-            delta = {k: [after[k][i] - before.get(k, [0, 0, 0.0])[i] for i in range(3)] for k in after}
+        if before is not None:
+            after = engine.target.communication_stats()
+            delta = {k: [v[i] - before["collectives"].get(k, [0, 0, 0.0])[i] for i in range(3)]
+                     for k, v in after["collectives"].items()}
             comms.append({k: v for k, v in delta.items() if k != "start-up barrier"})
-            sent.append(channel.bytes_sent - b0[0])
-            used.append(channel.bytes_used - b0[1])
+            sent.append(after["bytes_sent"] - before["bytes_sent"])
+            used.append(after["bytes_used"] - before["bytes_used"])
     out = {"batch_size": batch_size, "decode_steps": len(steps), "step_ms": 1e3 * statistics.median(steps),
            "decode_tok_s": batch_size / statistics.median(steps)}
     if comms:

@@ -111,6 +111,11 @@ class TensorParallelTarget(Target):
             self.launcher.check()
             runner.keepalive()
 
+    def communication_stats(self) -> dict | None:
+        channel = self.launcher.runner.channel
+        return {"collectives": {k: list(v) for k, v in self.launcher.group.stats.items()},
+                "bytes_sent": channel.bytes_sent, "bytes_used": channel.bytes_used}
+
     def shutdown(self, polite: bool = True) -> None:
         """Stop the workers (``polite=False``: kill them without a message; another thread may
         still be in a step). Idempotent."""

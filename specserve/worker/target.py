@@ -84,3 +84,8 @@ class Target:
 
     def shutdown(self, polite: bool = True) -> None:
         """Release what the target holds beyond this process's memory (worker ranks). Idempotent."""
+
+    def communication_stats(self) -> dict | None:
+        """Counters of the ranks' communication so far (None: one rank, none): ``collectives``
+        ``{op: [calls, bytes, seconds]}``, ``bytes_sent`` / ``bytes_used`` of the step messages."""
+        return None
