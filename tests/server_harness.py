@@ -50,10 +50,13 @@ class RunningServer:
         self.state.close()
 
 
-def start_server(engine, served_model_name: str, max_queue_len: int = 256, **kw) -> RunningServer:
+def start_server(engine, served_model_name: str, max_queue_len: int = 256, ssl: tuple[str, str] | None = None,
+                 **kw) -> RunningServer:
+    """``ssl``: ``(keyfile, certfile)`` to serve https."""
     state = make_server_state(engine, served_model_name, max_queue_len, **kw)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                           ssl_keyfile=ssl[0] if ssl else None, ssl_certfile=ssl[1] if ssl else None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + 30
@@ -61,7 +64,7 @@ def start_server(engine, served_model_name: str, max_queue_len: int = 256, **kw)
         if time.time() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.02)
-    return RunningServer(f"http://127.0.0.1:{port}", state, server, thread)
+    return RunningServer(f"{'https' if ssl else 'http'}://127.0.0.1:{port}", state, server, thread)
 
 
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"

@@ -9,20 +9,22 @@ import argparse
 import dataclasses
 
 from specserve.config import (DEFAULT_DRAFT, DEFAULT_MODEL, DEFAULT_NUM_SPECULATIVE_TOKENS, DEFAULT_QUANTIZATION,
-                              DTYPES, KV_CACHE_DTYPES, EngineArgs)
-from specserve.models.quantization import QUANTIZATIONS
+                              DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineArgs)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="built-in name, Hugging Face folder, .gguf file or hub id (default: %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="weights and activations (default: %(default)s)")
     p.add_argument("--quantization", "-q", default=DEFAULT_QUANTIZATION, choices=list(QUANTIZATIONS),
                    help="the target's linears: int4 / int8 (batch-invariant integer kernels: GGUF Q4_K / Q6_K "
                         "blocks used as they are, other weights quantized on load) or none (float32); "
                         "default: %(default)s")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's context, cut to what the KV "
+                        "cache holds)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache page (default: %(default)s)")
     p.add_argument("--speculative-model", default=None,
                    help=f"draft model (default: {DEFAULT_DRAFT} when --model is the default target)")
     p.add_argument("--speculative-method", choices=["draft_model", "mtp", "eagle", "ngram"], default=None,

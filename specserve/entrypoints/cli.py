@@ -104,14 +104,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming, metrics)")
     add_engine_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 opens the port to the network (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="port to listen on, bound before the model loads (default: %(default)s)")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise); default: $SPECSERVE_API_KEY, "
+                        "else no key")
+    s.add_argument("--metrics-need-api-key", action="store_true",
+                   help="require the API key on /metrics too (default: /metrics and /health are open)")
+    s.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="CORS: comma-separated origins whose browser pages may call the API, '*' for any "
+                        "(default: none, CORS closed)")
+    s.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM); with --ssl-certfile serves https")
+    s.add_argument("--ssl-certfile", default=None, help="TLS certificate chain (PEM)")
     s.add_argument("--max-queue-len", type=int, default=256,
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
     s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="request bodies larger than this get 413 before they are parsed (default: %(default)s)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="measure decode tokens/s, TTFT and verify cost V(k)")

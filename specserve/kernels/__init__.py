@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("quant_linear.cpp")
 _ATTENTION_SOURCE = Path(__file__).with_name("paged_attention.cpp")
@@ -185,9 +189,16 @@ def _build(source: Path, flags: list[str], stem: str, advice: str):
             else:
                 (build / "lock").unlink(missing_ok=True)
             # one module name per source and flags: a process may load several
-            return cpp_extension.load(name=f"specserve_{stem}_{key}", sources=[str(source)],
-                                      extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
-                                      verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
+            fresh = not any(build.glob("*.so"))
+            if fresh:   # minutes on a fresh machine: say so, since nothing else moves meanwhile
+                logger.warning("building the CPU kernels of %s once (cached in %s) ...", source.name, build)
+            t0 = time.perf_counter()
+            module = cpp_extension.load(name=f"specserve_{stem}_{key}", sources=[str(source)],
+                                        extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build),
+                                        verbose=bool(os.environ.get("SPECSERVE_VERBOSE_BUILD")))
+            if fresh:
+                logger.warning("built the CPU kernels of %s in %.0f s", source.name, time.perf_counter() - t0)
+            return module
     except Exception as e:  # compiler or ninja missing, build error
         last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise KernelUnavailableError(f"cannot build the CPU kernels of {source.name} ({last[:300]}); "

@@ -196,12 +196,12 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, desc: str 
     """Dequantize every tensor of ``gguf_path`` into ``out_dir/model.safetensors`` (float32, HF names).
 
     Also writes ``out_dir/specserve_config.json`` (``ModelConfig.to_dict()``). Both files appear
-    atomically. Peak memory is about one tensor. Shows a tqdm bar. Returns the ModelConfig.
+    atomically. Peak memory is about one tensor. Shows its progress (a bar on a terminal, log lines elsewhere). Returns the ModelConfig.
 
     Raises:
         GGUFFormatError: unreadable file, unsupported architecture or unknown tensors.
     """
-    from tqdm.auto import tqdm
+    from specserve.progress import progress
 
     reader = open_reader(gguf_path)
     config = read_config(reader)
@@ -223,7 +223,7 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, desc: str 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
     total = sum(int(t.n_elements) for _, t, _ in plan)
-    bar = tqdm(total=total, unit="param", unit_scale=True,
+    bar = progress(total=total, unit="param", unit_scale=True,
                desc=desc or f"dequantizing {os.path.basename(str(gguf_path))}")
     try:
         with open(tmp, "wb") as fh:
@@ -294,14 +294,14 @@ def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | 
     Q6_K blocks are copied, others re-quantized from their float values one tensor at a time);
     the token embedding, norms and biases are float32. A tied model also gets ``lm_head.weight``
     quantized from the embedding's blocks. ``keep_file_precision=False`` (drafts) puts every linear
-    in the asked layout. Shows a tqdm bar.
+    in the asked layout. Shows its progress (a bar on a terminal, log lines elsewhere).
 
     Raises:
         GGUFFormatError: unreadable file, unsupported architecture or unknown tensors.
         ValueError: a weight whose shape the layout cannot pack (naming the tensor).
     """
     import torch
-    from tqdm.auto import tqdm
+    from specserve.progress import progress
 
     from specserve.models.quantization import from_gguf, layout_for
 
@@ -310,7 +310,7 @@ def read_quantized(gguf_path: str | os.PathLike, quantization: str, desc: str | 
     plan = [(hf_name(t.name), t) for t in reader.tensors]
     plan = [(name, t) for name, t in plan if name is not None]
     weights: dict = {}
-    bar = tqdm(total=sum(int(t.n_elements) for _, t in plan), unit="param", unit_scale=True,
+    bar = progress(total=sum(int(t.n_elements) for _, t in plan), unit="param", unit_scale=True,
                desc=desc or f"loading {os.path.basename(str(gguf_path))}")
     try:
         for name, t in plan:

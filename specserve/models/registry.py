@@ -191,12 +191,12 @@ def _write_stamp(stamp: Path, path: Path, sha256: str) -> None:
 
 def _copy_hashing(sources: list[Path], dest: Path | None, total: int, desc: str) -> str:
     """Concatenate ``sources`` into ``dest`` (None: just read) and return the sha256 hex digest."""
-    from tqdm.auto import tqdm
+    from specserve.progress import progress
 
     digest = hashlib.sha256()
     out = open(dest, "wb") if dest is not None else None
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
+        with progress(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc) as bar:
             for src in sources:
                 with open(src, "rb") as fh:
                     while chunk := fh.read(16 << 20):

@@ -2,9 +2,10 @@
 
 FastAPI + uvicorn over :class:`~specserve.entrypoints.async_engine.AsyncLLMEngine`. Endpoints:
 ``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or not),
-``/v1/models``, ``/health`` and ``/metrics`` (Prometheus). Errors use OpenAI's format
-``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a prompt too long
-for the context, 404 for an unknown model or route, 503 when the waiting queue is full.
+``/v1/models`` and ``/v1/models/{id}``, ``/health`` and ``/metrics`` (Prometheus). Errors use
+OpenAI's format ``{"error": {"message", "type", "param", "code"}}``: 400 for invalid parameters or a
+prompt too long for the context, 401 without the server's ``--api-key``, 404 for an unknown model or
+route, 503 when the waiting queue is full.
 
 The front end tokenizes with its own copy of the tokenizer (the engine thread detokenizes with the
 other) and checks every request with ``LLMEngine.validate`` before it is queued, so a bad request
@@ -12,7 +13,7 @@ never reaches the step loop.
 
 This module is the app: the body-size middleware, the routes and ``run_server``. The rest lives beside
 it: ``errors`` (OpenAI-format errors and the exception handlers), ``server_state`` (what the routes
-share), ``prompts`` (checks, tokenization and validation), ``generation`` (engine requests into JSON
+share), ``access`` (API key, CORS, the listening socket), ``prompts`` (checks, tokenization and validation), ``generation`` (engine requests into JSON
 bodies or server-sent events), ``logprobs`` (the two logprobs formats) and ``protocol`` (request bodies).
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from specserve.entrypoints.openai.access import add_access_control, bind_socket, parse_origins, resolve_api_key, \
+    warn_if_exposed
 from specserve.entrypoints.openai.errors import ERROR_RESPONSES, add_error_handlers, error_response
 from specserve.entrypoints.openai.generation import Generation, include_usage, respond
 from specserve.entrypoints.openai.prompts import chat_prompt, check_model, check_queue, completion_prompts
@@ -81,6 +84,7 @@ def build_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible server with lossless speculative decoding")
     app.state.server = state
     app.add_middleware(BodySizeLimit, state=state)
+    add_access_control(app, state.api_key, state.protect_metrics, state.allowed_origins)   # outside the size check
     add_error_handlers(app)
 
     # GET and HEAD as two routes: one route with both methods gives the OpenAPI schema one
@@ -94,10 +98,17 @@ def build_app(state: ServerState) -> FastAPI:
                                   "service_unavailable")
         return Response(status_code=200)
 
+    def card() -> ModelCard:
+        return ModelCard(id=state.served_model_name, created=state.created, max_model_len=state.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.served_model_name, created=state.created,
-                                         max_model_len=state.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: ERROR_RESPONSES[404]})
+    async def model(model_id: str) -> ModelCard:
+        check_model(state, model_id)   # ids may hold '/' (hub ids): the path converter keeps them whole
+        return card()
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -128,25 +139,39 @@ def run_server(args) -> int:
     Raises:
         ValueError: a bad model name or argument (before the port is opened).
     """
-    import uvicorn
-
-    from specserve.engine.engine import LLMEngine
-    from specserve.entrypoints.args import engine_args
-
     if args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     if args.max_request_bytes < 1:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    api_key = resolve_api_key(args.api_key)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_args(args))
-    state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len, args.max_request_bytes)
-    logger.info("serving %s (max_model_len %d, speculation %s) on http://%s:%d", state.served_model_name,
-                engine.max_model_len, engine.spec_config or "off", args.host, args.port)
+    sock = bind_socket(args.host, args.port)   # a port in use fails now, not after minutes of loading
     try:
-        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
+        import uvicorn
+
+        from specserve.engine.engine import LLMEngine
+        from specserve.entrypoints.args import engine_args
+
+        warn_if_exposed(args.host, api_key)
+        engine = LLMEngine(engine_args(args))
+        state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len,
+                                  args.max_request_bytes, api_key=api_key, protect_metrics=args.metrics_need_api_key,
+                                  allowed_origins=parse_origins(args.allowed_origins))
+        scheme = "https" if args.ssl_certfile else "http"
+        logger.info("serving %s (max_model_len %d, speculation %s) on %s://%s:%d%s", state.served_model_name,
+                    engine.max_model_len, engine.spec_config or "off", scheme, args.host, args.port,
+                    " (API key required)" if api_key else "")
+        try:
+            config = uvicorn.Config(build_app(state), log_level=args.log_level, ssl_keyfile=args.ssl_keyfile,
+                                    ssl_certfile=args.ssl_certfile)
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            state.close()
     finally:
-        state.close()
+        sock.close()
     return 0

@@ -24,6 +24,9 @@ class ServerState:
     tokenizer: Any = None
     created: int = field(default_factory=lambda: int(time.time()))
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    api_key: str | None = None          # required on /v1/* (None: no key)
+    protect_metrics: bool = False       # the key on /metrics too
+    allowed_origins: list[str] = field(default_factory=list)   # CORS (none: closed)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:  # the front end's own copy: HF tokenizers are not thread-safe
@@ -46,10 +49,12 @@ class ServerState:
 
 
 def make_server_state(engine, served_model_name: str, max_queue_len: int = 256,
-                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> ServerState:
-    """Wrap an :class:`LLMEngine` for serving and start its loop thread."""
+                      max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **access) -> ServerState:
+    """Wrap an :class:`LLMEngine` for serving and start its loop thread. ``access``: ``api_key``,
+    ``protect_metrics``, ``allowed_origins`` (:class:`ServerState`'s fields)."""
     metrics = ServerMetrics(engine.num_speculative_tokens)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_finished=metrics.on_finished,
                                   on_gauges=metrics.set_gauges)
     async_engine.start()
-    return ServerState(async_engine, served_model_name, max_queue_len, metrics, max_request_bytes=max_request_bytes)
+    return ServerState(async_engine, served_model_name, max_queue_len, metrics, max_request_bytes=max_request_bytes,
+                       **access)
