@@ -29,6 +29,37 @@ def post(server, path, body, **kw):
                       headers={"content-type": "application/json"}, timeout=120, **kw)
 
 
+def test_unknown_chat_field_and_tokenizer_errors_name_no_internals(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    err = error(post(server, "/v1/chat/completions", {**chat, "max_completion_token": 5}))
+    assert err["param"] == "max_completion_token" and "Unrecognized request argument" in err["message"]
+    err = error(post(server, "/v1/chat/completions", {**chat, "functions": [{"name": "f"}], "function_call": "auto"}))
+    assert err["param"] == "functions"
+    err = error(post(server, "/v1/completions", {"prompt": "ab\ud800cd", "max_tokens": 2}))
+    assert err["param"] == "prompt" and "Error" not in err["message"] and "Exception" not in err["message"]
+
+
+def test_documented_fields_without_effect_are_accepted_with_a_warning(server, caplog):
+    """Fields of OpenAI's and vLLM's schemas that change nothing here (store, priority, ...) are
+    accepted, as vLLM does, and logged; the openai client's extra_body reaches the server."""
+    import logging
+
+    import openai
+
+    with caplog.at_level(logging.WARNING, logger="specserve.entrypoints.openai.prompts"):
+        resp = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "store": True, "priority": 0,
+                                               "functions": [], "function_call": "none", "min_tokens": 0})
+    assert resp.status_code == 200, resp.text
+    assert "accepted without effect: priority, store" in caplog.text
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+    out = client.completions.create(model=NAME, prompt="x", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True, "top_k": 5, "stop_token_ids": [7]})
+    assert out.choices[0].text is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=NAME, prompt="x", max_tokens=3, extra_body={"max_token": 3})
+    assert e.value.body["param"] == "max_token"
+
+
 def error(resp) -> dict:
     body = resp.json()
     assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
@@ -50,6 +81,18 @@ def error(resp) -> dict:
     ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format", "not supported"),
     ({"prompt": "x", "guided_json": {"$ref": "#"}}, "guided_json", "allows no output"),
     ({"prompt": "x", "guided_json": '{"a":' * 5000 + "1" + "}" * 5000}, "guided_json", "recursion"),
+    # fields we do not honour or do not know: a 400 naming them, never a silently different output
+    ({"prompt": "x", "max_token": 3}, "max_token", "Unrecognized request argument supplied: max_token"),
+    ({"prompt": "x", "functions": [{"name": "f", "parameters": {}}]}, "functions", "function calling"),
+    ({"prompt": "x", "function_call": "auto"}, "function_call", "function calling"),
+    ({"prompt": "x", "prompt_logprobs": 3}, "prompt_logprobs", "echo=true"),
+    ({"prompt": "x", "min_tokens": 4}, "min_tokens", "not supported"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream"),
+    # every 400 names its field
+    ({"prompt": "x", "stop": ""}, "stop", "non-empty"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ({"prompt": "x", "stop_token_ids": [10**30]}, "stop_token_ids", "outside the vocabulary"),
+    ({"prompt": [5, 10**9]}, "prompt", "outside the vocabulary"),
 ])
 def test_bad_completion_bodies_are_400_naming_the_field(server, body, param, fragment):
     resp = post(server, "/v1/completions", {"max_tokens": 2, **body})

@@ -36,7 +36,7 @@ class InputProcessor:
         """Check one request; returns its prompt token ids.
 
         Raises:
-            ValueError: empty prompt, token id outside the vocabulary, prompt too long for
+            ValueError: empty prompt, token id (or stop token id) outside the vocabulary, prompt too long for
                 max_model_len, params that are not ``SamplingParams``, or an invalid schema, regex
                 or grammar in ``structured_outputs``; the message names the value.
         """
@@ -51,6 +51,10 @@ class InputProcessor:
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        over = [t for t in params.stop_token_ids or () if t >= vocab]
+        if over:
+            raise ValueError(f"stop_token_ids entry {over[0]} is outside the vocabulary [0, {vocab}): it could "
+                             f"never be sampled")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > vocab:

@@ -13,7 +13,8 @@ never reaches the step loop.
 
 This module is the app: the body-size middleware, the routes and ``run_server``. The rest lives beside
 it: ``errors`` (OpenAI-format errors and the exception handlers), ``server_state`` (what the routes
-share), ``access`` (API key, CORS, the listening socket), ``prompts`` (checks, tokenization and validation), ``generation`` (engine requests into JSON
+share), ``access`` (API key, CORS, the listening socket), ``prompts`` (checks, tokenization and
+validation), ``generation`` (engine requests into JSON
 bodies or server-sent events), ``logprobs`` (the two logprobs formats) and ``protocol`` (request bodies).
 """
 from __future__ import annotations

@@ -3,6 +3,7 @@ prompts, tokenized by the front end and checked with ``LLMEngine.validate``, so 
 is a 400 here and never reaches the step loop."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from specserve.entrypoints.openai.errors import APIError
@@ -10,6 +11,7 @@ from specserve.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from specserve.entrypoints.openai.server_state import ServerState
 from specserve.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class PreparedPrompt:
@@ -42,7 +44,8 @@ def check_queue(state: ServerState, num_new: int) -> None:
 
 
 def _prepare_prompt(state: ServerState, text: str | None, ids: list[int], body, max_tokens: int | None,
-                    logprobs: int | None, prompt_logprobs: int | None = None) -> PreparedPrompt:
+                    logprobs: int | None, prompt_logprobs: int | None = None,
+                    prompt_param: str = "prompt") -> PreparedPrompt:
     """Check one prompt and its parameters; ``max_tokens=None`` means up to the context length."""
     room = state.max_model_len - len(ids)
     if max_tokens is not None and max_tokens > room:
@@ -66,23 +69,38 @@ def _prepare_prompt(state: ServerState, text: str | None, ids: list[int], body, 
                                       prompt_logprobs, structured)
         state.engine.engine.validate(ids, params)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=_param_of(str(e), prompt_param)) from None
     return PreparedPrompt(text, ids, params)
 
 
 def _refuse_unsupported(body) -> None:
-    refused = body.refuse_unsupported()
+    """400 naming the first field this server would not honour or does not know; a log warning
+    for documented fields it accepts without effect."""
+    refused, ignored = body.check_fields()
     if refused is not None:
         raise APIError(400, refused[1], param=refused[0])
+    if ignored:
+        logger.warning("request fields accepted without effect: %s", ", ".join(ignored))
+
+
+# the request field a SamplingParams / validation message is about (messages start with it)
+_PARAMS = ("stop_token_ids", "stop", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+           "presence_penalty", "frequency_penalty", "max_tokens", "logprobs", "seed", "n")
+
+
+def _param_of(message: str, prompt_param: str) -> str | None:
+    if message.startswith("prompt"):
+        return prompt_param
+    return next((p for p in _PARAMS if message.startswith(p + " ")), None)
 
 
 def _encode(state: ServerState, text: str, param: str, **kw) -> list[int]:
     """Token ids of ``text``; text the tokenizer cannot take (a lone surrogate) is a 400."""
     try:
         return list(state.tokenizer.encode(text, **kw))
-    except Exception as e:  # noqa: BLE001 - the tokenizer's own error types vary by backend
-        raise APIError(400, f"the {param} could not be tokenized ({type(e).__name__}: {e}); send valid "
-                            f"Unicode text", param=param) from None
+    except Exception:  # noqa: BLE001 - the tokenizer's own error types vary by backend
+        raise APIError(400, f"the {param} could not be tokenized: it is not valid Unicode text (a lone "
+                            f"surrogate, say); send valid Unicode text", param=param) from None
 
 
 def completion_prompts(state: ServerState, body: CompletionRequest) -> list[PreparedPrompt]:
@@ -156,4 +174,4 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> PreparedProm
         raise APIError(400, "the chat template produced an empty prompt", param="messages")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _prepare_prompt(state, text, ids, body, max_tokens, logprobs)
+    return _prepare_prompt(state, text, ids, body, max_tokens, logprobs, prompt_param="messages")

@@ -15,6 +15,24 @@ MAX_N = 128            # OpenAI's limit on completions per request
 MAX_LOGPROBS = 20      # top logprobs per token (OpenAI: 5 for completions, 20 for chat)
 MAX_STOP = 4           # stop strings per request, as OpenAI
 
+# Fields of OpenAI's or vLLM's documented request schemas that do not change what this server
+# returns: accepted and ignored, with a log warning (clients such as guidellm, LangChain or the
+# openai client's extra_body send some of them).
+IGNORED_FIELDS = frozenset({
+    "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier", "prediction",
+    "reasoning_effort", "verbosity", "priority", "request_id", "cache_salt", "kv_transfer_params", "vllm_xargs",
+    "spaces_between_special_tokens", "guided_decoding_backend", "guided_whitespace_pattern", "chat_template_kwargs",
+    "documents", "mm_processor_kwargs", "return_tokens_as_token_ids", "length_penalty", "early_stopping",
+    "add_special_tokens"})
+# Documented fields whose meaning this server does not implement: accepted at their "off" values only
+# (a 400 names the field otherwise, never a silently different output).
+OFF_VALUES: dict[str, tuple] = {
+    "functions": (None, []), "function_call": (None, "none"), "prompt_logprobs": (None,), "min_tokens": (None, 0),
+    "use_beam_search": (None, False), "allowed_token_ids": (None, []), "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,), "modalities": (None, ["text"]), "audio": (None,),
+    "web_search_options": (None,), "structural_tag": (None,), "continue_final_message": (None, False),
+    "chat_template": (None,), "logits_processors": (None,)}
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
@@ -27,7 +45,7 @@ class _SamplingFields(BaseModel):
     ``"max_tokens": true`` or a prompt of booleans are errors, not coerced (JSON integers still
     fill float fields)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)   # extras are sorted by check_fields
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -97,6 +115,28 @@ class _SamplingFields(BaseModel):
             return param, StructuredOutputsParams(**kw)
         except ValueError as e:
             raise ValueError(param, f"{param}: {e}") from None
+
+    def check_fields(self) -> tuple[tuple[str, str] | None, list[str]]:
+        """``((param, message) or None, ignored)``: the first field this server would not honour or
+        does not know (OpenAI answers an unrecognized argument with a 400), and the documented
+        fields it accepts without effect (:data:`IGNORED_FIELDS`)."""
+        extras = dict(self.model_extra or {})
+        ignored = sorted(k for k in extras if k in IGNORED_FIELDS)
+        for name, value in extras.items():
+            if name in IGNORED_FIELDS:
+                continue
+            if name not in OFF_VALUES:
+                return (name, f"Unrecognized request argument supplied: {name}"), ignored
+            if value not in OFF_VALUES[name]:
+                why = {"functions": "function calling is not supported (the model's calls would come back as "
+                                    "plain text); send no functions",
+                       "function_call": "function calling is not supported",
+                       "prompt_logprobs": "prompt_logprobs is not served: use /v1/completions with echo=true and "
+                                          "logprobs, which returns the prompt's logprobs"}.get(name)
+                return (name, why or f"{name}={value!r} is not supported by this server"), ignored
+        if self.stream_options is not None and not self.stream:
+            return ("stream_options", "stream_options is only allowed when stream is true"), ignored
+        return self.refuse_unsupported(), ignored
 
     def refuse_unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` for a field whose meaning this server would not honour, else None."""
