@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from specserve.entrypoints.openai.api_server import build_app
+from specserve.entrypoints.openai.api_server import uvicorn_config
 from specserve.entrypoints.openai.server_state import ServerState, make_server_state
 
 
@@ -55,7 +55,7 @@ def start_server(engine, served_model_name: str, max_queue_len: int = 256, ssl: 
     """``ssl``: ``(keyfile, certfile)`` to serve https."""
     state = make_server_state(engine, served_model_name, max_queue_len, **kw)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn_config(state, "warning", host="127.0.0.1", port=port,
                                            ssl_keyfile=ssl[0] if ssl else None, ssl_certfile=ssl[1] if ssl else None))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

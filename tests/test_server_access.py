@@ -152,3 +152,69 @@ def test_progress_is_log_lines_off_a_terminal(caplog, capsys):
     lines = [r.getMessage() for r in caplog.records if r.name == "specserve.progress"]
     assert lines[0] == "loading model.gguf (3.0 Mparam) ..."
     assert lines[1].startswith("loading model.gguf: done, 3.0 Mparam in ") and len(lines) == 2
+
+
+# --------------------------------------------------------------------------- slow and silent clients
+
+@pytest.fixture(scope="module")
+def strict(tiny_qwen2_dir):
+    s = start_tiny_server(tiny_qwen2_dir, NAME, head_timeout_s=1.0, body_timeout_s=1.0)
+    yield s
+    s.stop()
+
+
+def _connect(server) -> socket.socket:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def _closed_after(sock: socket.socket, send=None, limit_s: float = 6.0) -> tuple[float, bytes]:
+    """Seconds until the server closes ``sock`` (trickling ``send``'s bytes meanwhile) and what it sent."""
+    t, got = time.perf_counter(), b""
+    sock.settimeout(0.3)
+    data = list(send or b"")
+    while time.perf_counter() - t < limit_s:
+        if data:
+            try:
+                sock.send(bytes([data.pop(0)]))
+            except OSError:
+                break
+        try:
+            chunk = sock.recv(4096)
+        except socket.timeout:
+            continue
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    return time.perf_counter() - t, got
+
+
+def test_silent_trickling_and_stalled_clients_are_dropped_while_others_are_served(strict):
+    silent = _connect(strict)
+    trickle = _connect(strict)
+    stalled = _connect(strict)
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 1000\r\n\r\n{\"model\":")
+    ok = httpx.post(strict.base_url + "/v1/completions", json=completion_body(), timeout=30)   # served meanwhile
+    assert ok.status_code == 200
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nUser-Agent: " + b"a" * 100
+    elapsed, got = _closed_after(trickle, head)          # one byte every 0.3 s: never a whole head
+    assert elapsed < 3.0 and got == b"", (elapsed, got)
+    elapsed, got = _closed_after(silent)
+    assert elapsed < 3.0 and got == b""
+    elapsed, got = _closed_after(stalled)
+    assert elapsed < 3.0 and got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got
+    for s in (silent, trickle, stalled):
+        s.close()
+    metrics = httpx.get(strict.base_url + "/metrics").text
+    assert 'specserve_connections_dropped_total{reason="head_timeout"} 2.0' in metrics
+    assert 'specserve_connections_dropped_total{reason="body_timeout"} 1.0' in metrics
+    # a client that keeps its connection and sends whole requests is never cut
+    with httpx.Client(base_url=strict.base_url) as client:
+        for _ in range(3):
+            assert client.get("/health").status_code == 200
+            time.sleep(0.5)
+    assert strict.all_pages_free()

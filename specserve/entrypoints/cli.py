@@ -123,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests beyond which new ones get 503 (default: %(default)s)")
     s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
                    help="request bodies larger than this get 413 before they are parsed (default: %(default)s)")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's line and headers (from connecting, or "
+                        "from the last response); slower or silent clients are dropped (default: %(default)s)")
+    s.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take to arrive after its headers; then 408 "
+                        "(default: %(default)s)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="concurrent connections and requests beyond which new ones get 503 (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="(default: %(default)s)")
     s.set_defaults(func=cmd_serve)

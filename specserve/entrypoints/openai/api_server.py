@@ -11,7 +11,7 @@ The front end tokenizes with its own copy of the tokenizer (the engine thread de
 other) and checks every request with ``LLMEngine.validate`` before it is queued, so a bad request
 never reaches the step loop.
 
-This module is the app: the body-size middleware, the routes and ``run_server``. The rest lives beside
+This module is the app: the request-body middleware (size and time limits), the routes and ``run_server``. The rest lives beside
 it: ``errors`` (OpenAI-format errors and the exception handlers), ``server_state`` (what the routes
 share), ``access`` (API key, CORS, the listening socket), ``prompts`` (checks, tokenization and
 validation), ``generation`` (engine requests into JSON
@@ -19,7 +19,9 @@ bodies or server-sent events), ``logprobs`` (the two logprobs formats) and ``pro
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -35,10 +37,14 @@ from specserve.entrypoints.openai.server_state import ServerState, make_server_s
 logger = logging.getLogger(__name__)
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body over ``state.max_request_bytes`` is answered 413 in OpenAI's
-    error format before anything parses it (by its Content-Length, or as soon as that many bytes
-    of a chunked body have arrived)."""
+class RequestBody:
+    """ASGI middleware: reads a request's body whole before the app sees it, within two limits.
+
+    * Size: over ``state.max_request_bytes`` is a 413 before anything parses it (by its
+      Content-Length, or as soon as that many bytes of a chunked body have arrived).
+    * Time: the whole body must arrive within ``state.body_timeout_s`` of the head, or a 408 and
+      the connection closes (a client that stops mid-body cannot hold it; counted in ``/metrics``).
+    """
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -50,17 +56,24 @@ class BodySizeLimit:
         limit = self.state.max_request_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await self._too_large(send, limit)
-        # read the body here (the app would hold it all anyway), stopping at the limit
+            return await self._refuse(scope, receive, send, 413, f"the request body is larger than the server's "
+                                      f"limit of {limit} bytes (--max-request-bytes)", None)
+        deadline = time.monotonic() + self.state.body_timeout_s
         messages, seen = [], 0
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.state.metrics.connection_dropped("body_timeout")
+                return await self._refuse(scope, receive, send, 408, f"the request body did not arrive within "
+                                          f"{self.state.body_timeout_s:g} s (--request-timeout)", "request_timeout")
             messages.append(message)
             if message["type"] != "http.request":
                 break
             seen += len(message.get("body", b""))
             if seen > limit:
-                return await self._too_large(send, limit)
+                return await self._refuse(scope, receive, send, 413, f"the request body is larger than the "
+                                          f"server's limit of {limit} bytes (--max-request-bytes)", None)
             if not message.get("more_body", False):
                 break
 
@@ -70,13 +83,10 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     @staticmethod
-    async def _too_large(send, limit: int) -> None:
-        resp = error_response(413, f"the request body is larger than the server's limit of {limit} bytes "
-                                   f"(--max-request-bytes)", param=None)
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(resp.body)).encode())]})
-        await send({"type": "http.response.body", "body": resp.body})
+    async def _refuse(scope, receive, send, status: int, message: str, code: str | None) -> None:
+        resp = error_response(status, message, param=None, code=code)
+        resp.headers["connection"] = "close"   # the rest of the body is never read
+        await resp(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -84,7 +94,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specserve", version="0.1.0",
                   description="OpenAI-compatible server with lossless speculative decoding")
     app.state.server = state
-    app.add_middleware(BodySizeLimit, state=state)
+    app.add_middleware(RequestBody, state=state)
     add_access_control(app, state.api_key, state.protect_metrics, state.allowed_origins)   # outside the size check
     add_error_handlers(app)
 
@@ -134,6 +144,18 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def uvicorn_config(state: ServerState, log_level: str = "info", **kw):
+    """uvicorn's config for the app over ``state``: the head deadline (our h11 protocol), the
+    keep-alive bound and the connection limit; ``kw`` adds host / port, TLS files."""
+    import uvicorn
+
+    from specserve.entrypoints.openai.connections import deadline_protocol
+
+    return uvicorn.Config(build_app(state), log_level=log_level,
+                          http=deadline_protocol(state.head_timeout_s, state.metrics.connection_dropped),
+                          timeout_keep_alive=5, limit_concurrency=state.max_connections, **kw)
+
+
 def run_server(args) -> int:
     """``specserve serve``: load the models, then serve until interrupted.
 
@@ -146,6 +168,11 @@ def run_server(args) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("header_timeout", "request_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
     api_key = resolve_api_key(args.api_key)
@@ -162,14 +189,15 @@ def run_server(args) -> int:
         engine = LLMEngine(engine_args(args))
         state = make_server_state(engine, args.served_model_name or args.model, args.max_queue_len,
                                   args.max_request_bytes, api_key=api_key, protect_metrics=args.metrics_need_api_key,
-                                  allowed_origins=parse_origins(args.allowed_origins))
+                                  allowed_origins=parse_origins(args.allowed_origins),
+                                  head_timeout_s=args.header_timeout, body_timeout_s=args.request_timeout,
+                                  max_connections=args.max_connections)
         scheme = "https" if args.ssl_certfile else "http"
         logger.info("serving %s (max_model_len %d, speculation %s) on %s://%s:%d%s", state.served_model_name,
                     engine.max_model_len, engine.spec_config or "off", scheme, args.host, args.port,
                     " (API key required)" if api_key else "")
         try:
-            config = uvicorn.Config(build_app(state), log_level=args.log_level, ssl_keyfile=args.ssl_keyfile,
-                                    ssl_certfile=args.ssl_certfile)
+            config = uvicorn_config(state, args.log_level, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
             uvicorn.Server(config).run(sockets=[sock])
         finally:
             state.close()

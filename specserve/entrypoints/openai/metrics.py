@@ -29,6 +29,8 @@ class ServerMetrics:
         self.kv_cache_usage = Gauge("specserve_kv_cache_usage_perc",
                                     "Fraction of KV cache pages in use (0-1)", registry=r)
         self.num_preemptions = Counter("specserve_num_preemptions", "Sequences preempted", registry=r)
+        self.connections_dropped = Counter("specserve_connections_dropped", "Connections dropped for a slow or "
+                                           "silent client (head_timeout, body_timeout)", ["reason"], registry=r)
         self.ttft = Histogram("specserve_time_to_first_token_seconds", "Time to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("specserve_time_per_output_token_seconds",
@@ -57,6 +59,10 @@ class ServerMetrics:
         self.decode_steps = Counter("specserve_spec_decode_steps",
                                     "Decode-only steps by the number of draft tokens chosen (0 = off)",
                                     ["num_speculative_tokens"], registry=r)
+
+    def connection_dropped(self, reason: str) -> None:
+        """A client that did not send its request's head or body in time (any thread)."""
+        self.connections_dropped.labels(reason).inc()
 
     def set_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Requests running / waiting and the KV pool's used share, as they are now."""

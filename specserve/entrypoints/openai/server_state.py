@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specserve.entrypoints.async_engine import AsyncLLMEngine
+from specserve.entrypoints.openai.connections import DEFAULT_BODY_TIMEOUT_S, DEFAULT_HEAD_TIMEOUT_S
 from specserve.entrypoints.openai.metrics import ServerMetrics
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -27,6 +28,9 @@ class ServerState:
     api_key: str | None = None          # required on /v1/* (None: no key)
     protect_metrics: bool = False       # the key on /metrics too
     allowed_origins: list[str] = field(default_factory=list)   # CORS (none: closed)
+    head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S   # a request's head must arrive within this
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S   # and then its body
+    max_connections: int = 1024                      # beyond: 503 (uvicorn's limit_concurrency)
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:  # the front end's own copy: HF tokenizers are not thread-safe
@@ -51,7 +55,8 @@ class ServerState:
 def make_server_state(engine, served_model_name: str, max_queue_len: int = 256,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **access) -> ServerState:
     """Wrap an :class:`LLMEngine` for serving and start its loop thread. ``access``: ``api_key``,
-    ``protect_metrics``, ``allowed_origins`` (:class:`ServerState`'s fields)."""
+    ``protect_metrics``, ``allowed_origins``, ``head_timeout_s``, ``body_timeout_s``,
+    ``max_connections`` (:class:`ServerState`'s fields)."""
     metrics = ServerMetrics(engine.num_speculative_tokens)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_finished=metrics.on_finished,
                                   on_gauges=metrics.set_gauges)
