@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import start_tiny_server
+from server_harness import free_port, start_tiny_server
 from specserve.entrypoints.openai.access import is_loopback, resolve_api_key
 
 NAME = "tiny-access"
@@ -218,3 +218,62 @@ def test_silent_trickling_and_stalled_clients_are_dropped_while_others_are_serve
             assert client.get("/health").status_code == 200
             time.sleep(0.5)
     assert strict.all_pages_free()
+
+
+# --------------------------------------------------------------------------- bounded shutdown
+
+def test_sigint_with_streams_in_flight_exits_within_the_bound():
+    """SIGINT while streams run: new requests are refused, the streams still running at
+    --shutdown-timeout end with a final error event (then [DONE]), and the process exits 0 within
+    the bound (SmolLM2-135M decodes ~17 ms a step: 1,000 tokens outlast a 2 s bound)."""
+    import json
+    import os
+    import signal
+    import threading
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.entrypoints.cli", "serve", "--model",
+                             "smollm2-135m-instruct", "--port", str(port), "--shutdown-timeout", "2",
+                             "--max-model-len", "2048", "--no-speculation", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the server did not start")
+        events: list[list[str]] = [[], []]
+
+        def stream(k: int) -> None:
+            body = {"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 1000,
+                    "temperature": 0, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events[k].append(line[6:])
+
+        threads = [threading.Thread(target=stream, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        while not all(events):   # both streams are producing tokens
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(30)
+        rc = proc.wait(30)
+        elapsed = time.perf_counter() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, proc.stderr.read()[-2000:]
+    assert elapsed < 2 + 5, f"exited {elapsed:.1f} s after SIGINT"
+    for ev in events:
+        assert ev[-1] == "[DONE]"
+        final = json.loads(ev[-2])
+        assert final["error"]["code"] == "server_shutdown", ev[-3:]

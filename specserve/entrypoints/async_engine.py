@@ -61,6 +61,10 @@ class EngineDeadError(RuntimeError):
     """The step loop stopped; no request can be served."""
 
 
+class ServerShutdownError(EngineDeadError):
+    """The server is shutting down: a request still running at the bound is ended with this."""
+
+
 class AsyncLLMEngine:
     """Serve :class:`LLMEngine` to many coroutines at once.
 
@@ -136,6 +140,11 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
         self._wakeup.set()
 
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every request from any thread (a bounded shutdown); each stream raises ``error``."""
+        self._commands.put(("abort_all", error))
+        self._wakeup.set()
+
     # ------------------------------------------------------------------ loop thread
     def _drain_commands(self) -> None:
         while True:
@@ -153,6 +162,12 @@ class AsyncLLMEngine:
                     stream.put(e)
                     continue
                 self._streams[rid] = stream
+            elif cmd[0] == "abort_all":
+                for rid, stream in list(self._streams.items()):
+                    self.engine.abort_request(rid)
+                    stream.put(cmd[1])
+                self._streams.clear()
+                self._publish()
             else:
                 rid = cmd[1]
                 if rid in self._streams:

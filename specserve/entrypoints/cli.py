@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-timeout", type=float, default=30.0,
                    help="seconds a request's body may take to arrive after its headers; then 408 "
                         "(default: %(default)s)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGINT / SIGTERM: seconds requests in flight may take to finish before they are ended "
+                        "(streams get a final error event); new requests are refused at once (default: %(default)s)")
     s.add_argument("--max-connections", type=int, default=1024,
                    help="concurrent connections and requests beyond which new ones get 503 (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

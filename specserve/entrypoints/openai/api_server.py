@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 
 from fastapi import FastAPI, Request
@@ -144,6 +145,35 @@ def build_app(state: ServerState) -> FastAPI:
     return app
 
 
+def bounded_server(config, state: ServerState):
+    """A ``uvicorn.Server`` whose shutdown (SIGINT / SIGTERM) is bounded by ``state.shutdown_timeout_s``:
+    it stops admitting at once (the listening socket closes; requests on open connections get
+    503), lets requests in flight finish until the bound, then ends every one still running (a
+    stream gets a final error event, ``code: server_shutdown``) and exits. A second signal exits
+    at once (uvicorn's own)."""
+    import threading
+
+    import uvicorn
+
+    from specserve.entrypoints.async_engine import ServerShutdownError
+
+    class BoundedShutdownServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not state.draining:
+                state.draining = True
+                bound = state.shutdown_timeout_s
+                logger.warning("shutting down: no new requests; those in flight have %g s to finish "
+                               "(--shutdown-timeout)", bound)
+                error = ServerShutdownError(f"the server shut down before this request finished "
+                                            f"(--shutdown-timeout {bound:g} s)")
+                timer = threading.Timer(bound, state.engine.abort_all, args=(error,))
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    return BoundedShutdownServer(config)
+
+
 def uvicorn_config(state: ServerState, log_level: str = "info", **kw):
     """uvicorn's config for the app over ``state``: the head deadline (our h11 protocol), the
     keep-alive bound and the connection limit; ``kw`` adds host / port, TLS files."""
@@ -153,7 +183,12 @@ def uvicorn_config(state: ServerState, log_level: str = "info", **kw):
 
     return uvicorn.Config(build_app(state), log_level=log_level,
                           http=deadline_protocol(state.head_timeout_s, state.metrics.connection_dropped),
-                          timeout_keep_alive=5, limit_concurrency=state.max_connections, **kw)
+                          timeout_keep_alive=5, limit_concurrency=state.max_connections,
+                          timeout_graceful_shutdown=int(state.shutdown_timeout_s) + 5, **kw)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def run_server(args) -> int:
@@ -168,7 +203,7 @@ def run_server(args) -> int:
         raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("header_timeout", "request_timeout"):
+    for flag in ("header_timeout", "request_timeout", "shutdown_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
     if args.max_connections < 1:
@@ -180,8 +215,6 @@ def run_server(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = bind_socket(args.host, args.port)   # a port in use fails now, not after minutes of loading
     try:
-        import uvicorn
-
         from specserve.engine.engine import LLMEngine
         from specserve.entrypoints.args import engine_args
 
@@ -191,14 +224,21 @@ def run_server(args) -> int:
                                   args.max_request_bytes, api_key=api_key, protect_metrics=args.metrics_need_api_key,
                                   allowed_origins=parse_origins(args.allowed_origins),
                                   head_timeout_s=args.header_timeout, body_timeout_s=args.request_timeout,
-                                  max_connections=args.max_connections)
+                                  max_connections=args.max_connections, shutdown_timeout_s=args.shutdown_timeout)
         scheme = "https" if args.ssl_certfile else "http"
         logger.info("serving %s (max_model_len %d, speculation %s) on %s://%s:%d%s", state.served_model_name,
                     engine.max_model_len, engine.spec_config or "off", scheme, args.host, args.port,
                     " (API key required)" if api_key else "")
         try:
             config = uvicorn_config(state, args.log_level, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
-            uvicorn.Server(config).run(sockets=[sock])
+            # uvicorn re-raises the signal it handled once it has shut down: SIGTERM too becomes an
+            # exception here, so either signal ends a graceful shutdown with exit code 0
+            signal.signal(signal.SIGTERM, _interrupt)
+            try:
+                bounded_server(config, state).run(sockets=[sock])
+            except KeyboardInterrupt:   # the shutdown was ours
+                if not state.draining:
+                    raise
         finally:
             state.close()
     finally:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specserve.entrypoints.async_engine import EngineDeadError
+from specserve.entrypoints.async_engine import EngineDeadError, ServerShutdownError
 from specserve.entrypoints.openai.errors import APIError, error_body
 from specserve.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, echo_logprobs, join_logprobs
 from specserve.entrypoints.openai.prompts import PreparedPrompt
@@ -206,6 +206,8 @@ class Generation:
                 yield _sse({"id": self.id, "object": obj, "created": self.created,
                             "model": self.state.served_model_name, "choices": [],
                             "usage": _usage(self.prompts, finals)})
+        except ServerShutdownError as e:   # the final event of a stream cut at the shutdown bound
+            yield _sse(error_body(str(e), "service_unavailable", code="server_shutdown"))
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "internal_error"))
         finally:

@@ -34,6 +34,8 @@ def check_queue(state: ServerState, num_new: int) -> None:
         raise APIError(400, f"this request asks for {num_new} completions (n x prompts), more than the "
                             f"server's queue limit of {state.max_queue_len}; lower n or send fewer prompts",
                        param="n")
+    if state.draining:
+        raise APIError(503, "the server is shutting down", type_="service_unavailable", code="server_shutdown")
     if not state.engine.is_running:
         raise APIError(503, "the engine has stopped", type_="service_unavailable")
     waiting = state.engine.num_waiting + state.engine.num_pending

@@ -31,6 +31,8 @@ class ServerState:
     head_timeout_s: float = DEFAULT_HEAD_TIMEOUT_S   # a request's head must arrive within this
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S   # and then its body
     max_connections: int = 1024                      # beyond: 503 (uvicorn's limit_concurrency)
+    shutdown_timeout_s: float = 30.0                 # in-flight requests' time to finish at shutdown
+    draining: bool = False                           # shutting down: new requests get 503
 
     def __post_init__(self) -> None:
         if self.tokenizer is None:  # the front end's own copy: HF tokenizers are not thread-safe
@@ -56,7 +58,7 @@ def make_server_state(engine, served_model_name: str, max_queue_len: int = 256,
                       max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, **access) -> ServerState:
     """Wrap an :class:`LLMEngine` for serving and start its loop thread. ``access``: ``api_key``,
     ``protect_metrics``, ``allowed_origins``, ``head_timeout_s``, ``body_timeout_s``,
-    ``max_connections`` (:class:`ServerState`'s fields)."""
+    ``max_connections``, ``shutdown_timeout_s`` (:class:`ServerState`'s fields)."""
     metrics = ServerMetrics(engine.num_speculative_tokens)
     async_engine = AsyncLLMEngine(engine, on_step=metrics.on_step, on_finished=metrics.on_finished,
                                   on_gauges=metrics.set_gauges)
