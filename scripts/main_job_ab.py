@@ -18,7 +18,7 @@ def engine(extra):
 spec, plain = engine([]), engine(["--no-speculation"])
 def run(e, prompt):
     e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=96))
-    t = time.perf_counter(); n = 0; ids = None
+    t = time.perf_counter(); ids = None
     while e.has_unfinished_requests():
         for out in e.step():
             ids = out.outputs[0].token_ids

@@ -18,7 +18,7 @@ from specserve.training.corpus import is_validation, stdlib_documents
 from specserve.spec_decode.draft_vocab import frequent_token_vocab
 from specserve.training.dataset import HiddenStateDataset
 from specserve.training.hidden_states import PrecomputeSettings, bytes_per_token, precompute_hidden_states
-from specserve.training.trainer import TrainConfig, lr_at, return_freed_memory_to_the_os, train_head
+from specserve.training.trainer import TrainConfig, lr_at, train_head
 
 
 def _settings(llm, **kw):
