@@ -102,9 +102,10 @@ def test_tls_with_a_self_signed_certificate(tiny_qwen2_dir, tmp_path):
     s = start_tiny_server(tiny_qwen2_dir, NAME, api_key=KEY, ssl=(str(key), str(cert)))
     try:
         assert s.base_url.startswith("https://")
-        client = openai.OpenAI(base_url=s.base_url + "/v1", api_key=KEY,
-                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert))))
-        assert client.completions.create(**completion_body()).choices[0].text
+        # closed before the server stops: an idle TLS connection's close waits for the peer's close_notify
+        with httpx.Client(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            client = openai.OpenAI(base_url=s.base_url + "/v1", api_key=KEY, http_client=http)
+            assert client.completions.create(**completion_body()).choices[0].text
         with pytest.raises(httpx.TransportError):   # plain http to the TLS port gets no http answer
             httpx.get(s.base_url.replace("https", "http") + "/health", timeout=5).raise_for_status()
     finally:

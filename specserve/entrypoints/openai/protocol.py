@@ -31,7 +31,7 @@ OFF_VALUES: dict[str, tuple] = {
     "use_beam_search": (None, False), "allowed_token_ids": (None, []), "bad_words": (None, []),
     "truncate_prompt_tokens": (None,), "modalities": (None, ["text"]), "audio": (None,),
     "web_search_options": (None,), "structural_tag": (None,), "continue_final_message": (None, False),
-    "chat_template": (None,), "logits_processors": (None,)}
+    "chat_template": (None,), "logits_processors": (None,), "echo": (None, False)}   # echo: chat (vLLM's extra)
 
 
 class StreamOptions(BaseModel):
