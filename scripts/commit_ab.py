@@ -25,19 +25,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from step_ab import ROOT, worktree   # scripts/ is on the path when a script runs
+
 METHODS = ["bench", "--model", "qwen2.5-coder-0.5b-instruct", "--methods",
            "none,ngram,draft_model,mtp,eagle-static,eagle-dynamic", "--num-prompts", "4", "--specbench-prompts", "2",
            "--max-tokens", "48", "--num-speculative-tokens", "3", "--draft-quantization", "int8", "--tree-depth", "4",
            "--eagle-topk", "4", "--num-draft-tokens", "12", "--skip-hf"]
 HOST = ["--model", "smollm2-135m-instruct"]
-
-
-def worktree(commit: str) -> Path:
-    path = Path(tempfile.mkdtemp(prefix="specserve-ab-"))
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(path), commit], check=True,
-                   capture_output=True)
-    return path
 
 
 def run(side: Path, args: list[str], out: Path) -> dict:

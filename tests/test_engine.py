@@ -215,20 +215,37 @@ def test_score_equals_the_step_path(tiny_qwen2_dir):
 
 def test_stop_string_inside_a_verified_run_cuts_the_tokens_after_it(tiny_qwen2_dir):
     """A stop string completed by a draft token accepted mid-run ends the request there: the
-    tokens, text, logprobs and finish reason equal decoding without speculation (the target
-    drafting for itself accepts every draft, so several tokens land in one step)."""
+    tokens, text, logprobs and finish reason equal decoding without speculation. The stop is
+    chosen so that the token completing it is not the last of its step (the target drafting for
+    itself accepts every draft, so steps append several tokens)."""
     params = dict(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     prompt = ids_prompt(6, seed=5)
     plain = LLM(tiny_qwen2_dir)
-    ref = plain.generate([prompt], SamplingParams(**params))[0].outputs[0]
-    text = ref.text
-    assert len(text) > 12, "the tiny model's greedy text is too short for this test"
-    stop = text[len(text) // 2:len(text) // 2 + 2]
     spec = LLM(tiny_qwen2_dir, speculative_config={"method": "draft_model", "model": tiny_qwen2_dir,
                                                    "num_speculative_tokens": 4, "adaptive": False})
-    want = plain.generate([prompt], SamplingParams(stop=[stop], **params))[0].outputs[0]
+    step_ends, done = set(), 0   # output indices that end a step of the speculative run
+
+    def observe(reqs, result):
+        nonlocal done
+        if result.new_token_ids[0]:
+            done += len(result.new_token_ids[0])
+            step_ends.add(done - 1)
+
+    spec.llm_engine.step_observers.append(observe)
+    free = spec.generate([prompt], SamplingParams(**params))[0].outputs[0]
+    spec.llm_engine.step_observers.clear()
+    ref = plain.generate([prompt], SamplingParams(**params))[0].outputs[0]
+    assert free.token_ids == ref.token_ids and len(step_ends) < len(ref.token_ids)   # several tokens a step
+    text, want, stop = ref.text, None, None
+    for pos in range(1, len(text) - 2):   # a stop whose completing token sits inside a step
+        stop = text[pos:pos + 2]
+        want = plain.generate([prompt], SamplingParams(stop=[stop], **params))[0].outputs[0]
+        if want.finish_reason == "stop" and len(want.token_ids) - 1 not in step_ends:
+            break
+    else:
+        pytest.fail("no stop string of the tiny model's text completes inside a speculative step")
     got = spec.generate([prompt], SamplingParams(stop=[stop], **params))[0].outputs[0]
-    assert want.finish_reason == "stop" and want.stop_reason == stop
+    assert want.stop_reason == stop
     assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
         (want.token_ids, want.text, want.finish_reason, want.stop_reason)
     assert len(got.logprobs) == len(got.token_ids) and got.cumulative_logprob == pytest.approx(want.cumulative_logprob)

@@ -179,7 +179,7 @@ class LLMEngine:
     @property
     def num_speculative_tokens(self) -> int:
         """k of the next speculative step (the largest k when adaptive; 0 without speculation)."""
-        return self.worker.num_speculative_tokens if self.spec_config is not None else 0
+        return self.worker.num_speculative_tokens
 
     def set_num_speculative_tokens(self, k: int) -> None:
         """Draft ``k`` tokens a step from the next step on (benchmarks sweep k on one engine).

@@ -22,6 +22,8 @@ class Worker(Protocol):
     Attributes:
         proposer: the speculation method's proposer (None: no speculation).
         controller: the adaptive-k controller (None: no speculation or a fixed k).
+        num_speculative_tokens: k of the next speculative step (the largest k when adaptive; 0
+            without speculation).
         kv_lookahead: tokens past its page that a page's KV entries depend on (1 for a head that
             reads the next token's embedding; prefix-cache keys hold them).
         prefix_needs_draft: a cached prefix is usable only where the proposer's entries exist too
@@ -30,6 +32,7 @@ class Worker(Protocol):
 
     proposer: Any
     controller: Any
+    num_speculative_tokens: int
     kv_lookahead: int
     prefix_needs_draft: bool
 

@@ -107,6 +107,7 @@ class TargetWorker:
     # on tokens 0..p only, and a prefix the target has computed is all there is to its state
     proposer = None
     controller = None
+    num_speculative_tokens = 0
     kv_lookahead = 0
     prefix_needs_draft = False   # no proposer: a cached page is valid for every model there is
 

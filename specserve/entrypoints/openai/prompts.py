@@ -87,13 +87,12 @@ def _refuse_unsupported(body) -> None:
 
 # the request field a SamplingParams / validation message is about (messages start with it)
 _PARAMS = ("stop_token_ids", "stop", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "max_tokens", "logprobs", "seed", "n")
+           "presence_penalty", "frequency_penalty", "max_tokens", "prompt_logprobs", "logprobs", "seed", "n")
 
 
 def _param_of(message: str, prompt_param: str) -> str | None:
-    if message.startswith("prompt"):
-        return prompt_param
-    return next((p for p in _PARAMS if message.startswith(p + " ")), None)
+    named = next((p for p in _PARAMS if message.startswith(p + " ")), None)
+    return named or (prompt_param if message.startswith("prompt") else None)
 
 
 def _encode(state: ServerState, text: str, param: str, **kw) -> list[int]:
